@@ -1,0 +1,126 @@
+"""Element codecs (E2M1, E4M3), exact powers of two and sub-byte packing, as pure jnp functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Magnitudes of the E2M1 element, indexed by the 3-bit magnitude code m (DESIGN section 2).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def exp2i(n: jax.Array) -> jax.Array:
+  """2**n as float32, exactly, for integer n in [-126, 127] (built from the exponent bits)."""
+  n = jnp.asarray(n, jnp.int32)
+  return jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
+def biased_exponent(x: jax.Array) -> jax.Array:
+  """The 8 exponent bits of float32 |x| as int32 (255 for Inf/NaN, 0 for zero and subnormals)."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+  return ((bits >> 23) & 0xFF).astype(jnp.int32)
+
+
+def significand_bits(x: jax.Array) -> jax.Array:
+  """The 23 fraction bits of float32 x as int32."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+  return (bits & 0x7FFFFF).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementCodec:
+  """A sign-magnitude element format whose codes are monotone in magnitude.
+
+  Codes are `sign_bit | magnitude_code`. Because magnitude codes are monotone, neighbouring grid
+  points differ by one in their *ordinal* (signed magnitude code), so the ordinal's lowest bit
+  alternates along the grid. That is what makes a one-bit record enough to pick between the two
+  candidates that bracket a value (DESIGN section 5).
+  """
+
+  name: str
+  bits: int
+  sign_bit: int
+  max_ordinal: int  # magnitude code of the largest finite value
+  max_value: float
+
+  def encode(self, y: jax.Array) -> jax.Array:
+    """Round-to-nearest-even onto the grid, saturating at +-max_value; returns uint8 codes."""
+    raise NotImplementedError
+
+  def decode(self, codes: jax.Array) -> jax.Array:
+    """uint8 codes -> float32 values."""
+    raise NotImplementedError
+
+  def ordinal(self, codes: jax.Array) -> jax.Array:
+    """Signed position on the grid: -m for negative codes, m for positive ones (int32)."""
+    codes = codes.astype(jnp.int32)
+    mag = codes & (self.sign_bit - 1)
+    return jnp.where((codes & self.sign_bit) != 0, -mag, mag)
+
+  def from_ordinal(self, ordinal: jax.Array) -> jax.Array:
+    code = jnp.where(ordinal < 0, self.sign_bit | -ordinal, ordinal)
+    return code.astype(jnp.uint8)
+
+
+class _E2M1(ElementCodec):
+
+  def encode(self, y):
+    a = jnp.abs(y.astype(jnp.float32))
+    # the grid has step 0.5 below 2, step 1 in [2, 4) and step 2 from 4 on; jnp.round is
+    # round-half-to-even, and in every binade an even multiple of the step has an even mantissa
+    m_lo = jnp.round(a * 2.0)
+    m_mid = jnp.round(a) + 2.0
+    m_hi = jnp.minimum(jnp.round(a * 0.5), 3.0) + 4.0
+    m = jnp.where(a < 2.0, m_lo, jnp.where(a < 4.0, m_mid, m_hi))
+    m = jnp.where(jnp.isnan(a), 0.0, m)  # NaN is carried by the block scale, never by the element
+    sign = jnp.signbit(y).astype(jnp.uint8) << 3
+    return sign | m.astype(jnp.uint8)
+
+  def decode(self, codes):
+    codes = codes.astype(jnp.int32)
+    mag = jnp.asarray(E2M1_VALUES, jnp.float32)[codes & 7]
+    return jnp.where((codes & 8) != 0, -mag, mag)
+
+
+class _E4M3(ElementCodec):
+
+  def encode(self, y):
+    y = jnp.clip(y.astype(jnp.float32), -self.max_value, self.max_value)
+    return jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8)
+
+  def decode(self, codes):
+    return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+E2M1 = _E2M1(name="e2m1", bits=4, sign_bit=8, max_ordinal=7, max_value=6.0)
+E4M3 = _E4M3(name="e4m3", bits=8, sign_bit=128, max_ordinal=126, max_value=448.0)
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+  """[..., 2n] uint8 codes < 16 -> [..., n] bytes, the even index in the low nibble."""
+  pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2).astype(jnp.uint8)
+  return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+  """Inverse of `pack_nibbles`."""
+  pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+  return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+_BIT_WEIGHTS = np.array([1 << i for i in range(8)], np.uint8)
+
+
+def pack_bits(bits: jax.Array) -> jax.Array:
+  """[..., 8n] values in {0, 1} -> [..., n] bytes, element 8k+j in bit j of byte k."""
+  groups = bits.reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8).astype(jnp.uint8)
+  return jnp.sum(groups * _BIT_WEIGHTS, axis=-1, dtype=jnp.uint8)
+
+
+def unpack_bits(packed: jax.Array) -> jax.Array:
+  """Inverse of `pack_bits` (uint8 zeros and ones)."""
+  bits = (packed[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+  return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
