@@ -19,6 +19,16 @@ def spanning(rng: np.random.Generator, rows: int, n: int, block: int = 16) -> np
   return x.reshape(rows, n).astype(np.float32)
 
 
+def within_row_range(rng: np.random.Generator, rows: int, n: int, block: int = 16,
+                     octaves: int = 10, row_spread: int = 60) -> np.ndarray:
+  """float32 [rows, n] whose block maxima lie within 2^-octaves of their row's maximum, the
+  range where NVFP4's E4M3 block scales stay normal; rows at 2^-row_spread .. 2^row_spread."""
+  exps = rng.integers(-octaves, 1, size=(rows, n // block, 1))
+  exps = exps + rng.integers(-row_spread, row_spread + 1, (rows, 1, 1))
+  x = rng.standard_normal((rows, n // block, block)) * np.exp2(exps)
+  return x.reshape(rows, n).astype(np.float32)
+
+
 @pytest.fixture
 def rng():
   return np.random.default_rng(1234)

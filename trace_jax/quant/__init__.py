@@ -4,7 +4,9 @@ from trace_jax.quant.api import (
     QArray,
     Record,
     dequantize,
+    element_codes,
     fake_quant,
+    guided_codes,
     guided_quant,
     make_record,
     quantize,
@@ -27,6 +29,7 @@ from trace_jax.quant.formats import (
 
 __all__ = [
     "BF16", "FORMATS", "FP8", "MXFP4", "MXFP4_CEIL", "NVFP4", "NVFP4_TENSOR", "BlockFormat",
-    "Format", "QArray", "Record", "dequantize", "fake_quant", "get_format", "guided_quant",
+    "Format", "QArray", "Record", "dequantize", "element_codes", "fake_quant", "get_format",
+    "guided_codes", "guided_quant",
     "make_record", "quantize", "record_bits_per_element", "register", "storage_bits_per_element",
 ]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax.quant import codecs
-from trace_jax.quant.formats import Format, get_format
+from trace_jax.quant.formats import BlockFormat, Format, get_format
 
 
 def _leaf_bytes(*arrays) -> int:
@@ -85,6 +85,7 @@ def _check_axis(shape: tuple[int, ...], axis: int, fmt: Format, *, what: str = "
     raise ValueError(f"cannot quantize a scalar {what} (shape ()) with {fmt.name}")
   n = shape[axis]
   block = fmt.axis_block(n)
+  axis = axis % len(shape)  # messages name the axis as the caller counts it from the front
   if n == 0 or n % block:
     raise ValueError(
         f"{fmt.name}: the quantized axis {axis} of {what} shape {shape} has length {n}, which is "
@@ -212,7 +213,8 @@ def _guided_quant(x, rec, fmt, axis):
   return _guided_quant_fwd(x, rec, fmt, axis)[0]
 
 
-def _guided_quant_fwd(x, rec, fmt, axis):
+def _record_blocks(x, rec, fmt, axis):
+  """x, the mantissa bits, the scales and the global in the blocked layout."""
   n = x.shape[axis]
   block = fmt.axis_block(n)
   x_NxB = _to_blocks(x.astype(jnp.float32), axis, block)
@@ -220,8 +222,12 @@ def _guided_quant_fwd(x, rec, fmt, axis):
   if rec.mant is not None:
     mant = codecs.unpack_bits(jnp.moveaxis(rec.mant, axis, -1))
     mant_NxB = mant.reshape(*mant.shape[:-1], n // block, block)
-  values_NxB, mask_NxB = fmt.guided(x_NxB, mant_NxB, _scales_to_blocks(rec.scales, axis),
-                                    _scales_to_blocks(rec.global_scale, axis))
+  return (x_NxB, mant_NxB, _scales_to_blocks(rec.scales, axis),
+          _scales_to_blocks(rec.global_scale, axis))
+
+
+def _guided_quant_fwd(x, rec, fmt, axis):
+  values_NxB, mask_NxB = fmt.guided(*_record_blocks(x, rec, fmt, axis))
   return _from_blocks(values_NxB, axis), (_from_blocks(mask_NxB, axis), jnp.zeros((), x.dtype))
 
 
@@ -277,6 +283,25 @@ def guided_quant(x: jax.Array, rec: Record, fmt: Format | str, axis: int = -1) -
     raise ValueError(f"{fmt.name}: records need an axis length that is a multiple of 8, "
                      f"got shape {x.shape} along axis {axis}")
   return _guided_quant(x, rec, fmt, axis)
+
+
+def element_codes(qa: QArray) -> jax.Array:
+  """The unpacked element codes of `qa`, uint8 in the shape of the quantized input."""
+  if qa.fmt.codes_per_byte == 1:
+    return qa.codes
+  return jnp.moveaxis(codecs.unpack_nibbles(jnp.moveaxis(qa.codes, qa.axis, -1)), -1, qa.axis)
+
+
+def guided_codes(x: jax.Array, rec: Record, fmt: Format | str, axis: int = -1) -> jax.Array:
+  """The element codes `guided_quant` picks (for flip-rate diagnostics; not differentiable)."""
+  fmt = get_format(fmt)
+  if not isinstance(fmt, BlockFormat):
+    raise ValueError(f"{fmt.name} has no element codes to guide")
+  x = jnp.asarray(x)
+  axis = _normalize_axis(axis, x.ndim)
+  _check_record(x.shape, rec, fmt, axis, _check_axis(x.shape, axis, fmt))
+  codes_NxB, _ = fmt.guided_codes(*_record_blocks(x, rec, fmt, axis))
+  return _from_blocks(codes_NxB, axis)
 
 
 def storage_bits_per_element(qa: QArray) -> float:

@@ -111,7 +111,8 @@ class BlockFormat(Format):
   def clip_mask(self, x_NxB, scales_N, global_1):
     return jnp.abs(self.to_grid(x_NxB, scales_N, global_1)) <= self.codec.max_value
 
-  def guided(self, x_NxB, mant_NxB, scales_N, global_1):
+  def guided_codes(self, x_NxB, mant_NxB, scales_N, global_1) -> tuple[jax.Array, jax.Array]:
+    """The codes the guided rule picks, and x on the recorded grid."""
     codec = self.codec
     y = self.to_grid(x_NxB, scales_N, global_1)
     # i = max{i : g_i <= y} as a signed ordinal: round to nearest, step down if that overshot
@@ -120,9 +121,13 @@ class BlockFormat(Format):
     lo = jnp.clip(lo, -codec.max_ordinal, codec.max_ordinal - 1)
     # of lo and lo + 1 exactly one has the recorded lowest bit; that is the rollout's code
     pick = jnp.where((lo & 1) == mant_NxB.astype(jnp.int32), lo, lo + 1)
-    values = self.from_grid(codec.decode(codec.from_ordinal(pick)), scales_N, global_1)
+    return codec.from_ordinal(pick), y
+
+  def guided(self, x_NxB, mant_NxB, scales_N, global_1):
+    codes, y = self.guided_codes(x_NxB, mant_NxB, scales_N, global_1)
+    values = self.from_grid(self.codec.decode(codes), scales_N, global_1)
     values = jnp.where(jnp.isfinite(y), values, _NAN)  # non-finite never comes back finite
-    return values, jnp.abs(y) <= codec.max_value
+    return values, jnp.abs(y) <= self.codec.max_value
 
 
 def _block_amax(x_NxB):
