@@ -37,7 +37,7 @@ def mxfp4(x, ceil=False):
   k = ex - 1 - 2  # floor(log2 amax) - 2
   if ceil:
     k = k + (amax.astype(np.float64) > 6 * np.exp2(k.astype(np.float64)))
-  k = np.clip(k, -127, 127)
+  k = np.clip(k, -127, 125)  # E8M0 byte <= 252: no dequantized value overflows float32
   scale = np.exp2(k.astype(np.float64))
   code = scale.astype(np.float32).astype(E8M0).view(np.uint8)
   code = np.where(amax == 0, 0, code)
@@ -56,8 +56,8 @@ def nvfp4(x, tensor_global=False):
     amax_row = np.full_like(amax_row, np.max(amax))
   # DESIGN: g = amax_row / (6 * 448), s = RN_e4m3(amax / 6 / g), y = x / (s * g); divisions by
   # constants and broadcast scales are multiplications by float32 reciprocals (formats.py says why)
-  g = amax_row * (np.float32(1) / np.float32(2688))
-  g = np.where(g > 0, g, np.float32(1)).astype(np.float32)
+  g = np.maximum(amax_row * (np.float32(1) / np.float32(2688)), np.finfo(np.float32).tiny)
+  g = np.where(amax_row > 0, g, np.float32(1)).astype(np.float32)
   s = np.clip((amax * (np.float32(1) / np.float32(6))) * (np.float32(1) / g), 0, 448).astype(E4M3)
   s = np.maximum(s.astype(np.float32), np.float32(2.0**-9)).astype(E4M3)
   code = np.where(bad, 0x7F, s.view(np.uint8)).astype(np.uint8)
@@ -71,7 +71,8 @@ def fp8_rows(x):
   """Per-row E4M3 -> (codes [..., 1, n], float32 scales [..., 1])."""
   xb = blocks(x, np.shape(x)[-1])
   amax, bad = _amax(xb)
-  scale = np.where(amax > 0, amax * (np.float32(1) / np.float32(448)), np.float32(1))
+  scale = np.maximum(amax * (np.float32(1) / np.float32(448)), np.finfo(np.float32).tiny)
+  scale = np.where(amax > 0, scale, np.float32(1))
   scale = np.where(bad, np.nan, scale).astype(np.float32)
   with np.errstate(invalid="ignore"):
     y = np.clip(xb * (np.float32(1) / scale)[..., None], -448, 448)

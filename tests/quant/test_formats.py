@@ -197,3 +197,18 @@ def test_dequantize_is_code_value_times_scale(seed):
   eff = scales.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * g
   want = ref.ftz((ref.f4_values(codes).astype(np.float32) * eff[..., None]).reshape(x.shape))
   np.testing.assert_array_equal(np.asarray(dequantize(quantize(jnp.asarray(x), NVFP4))), want)
+
+
+def test_extreme_magnitudes_stay_finite():
+  # rows near the bottom of the float32 range keep their values (no flush of the global/scale)
+  tiny = np.zeros((1, 32), np.float32)
+  tiny[0, :3] = [1e-35, -5e-36, 3e-36]
+  for fmt in (NVFP4, FP8):
+    y = np.asarray(fake_quant(jnp.asarray(tiny), fmt))
+    assert np.isfinite(y).all() and abs(y[0, 0] - 1e-35) < 0.2e-35, (fmt.name, y[0, :3])
+  # near float32 max the ceil rule saturates instead of overflowing
+  big = np.zeros((1, 32), np.float32)
+  big[0, 0] = 3.4e38
+  for fmt in (MXFP4, MXFP4_CEIL):
+    y = np.asarray(fake_quant(jnp.asarray(big), fmt))
+    assert np.isfinite(y).all() and y[0, 0] > 2e38

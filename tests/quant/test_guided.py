@@ -159,3 +159,14 @@ def test_guided_nonfinite_stays_nonfinite(fmt, bad):
   rec_bad = make_record(quantize(jnp.asarray(x_bad), fmt))
   out = np.asarray(guided_quant(jnp.ones((2, 64)), rec_bad, fmt))
   assert np.isnan(out[1, :fmt.axis_block(64)]).all()
+
+
+def test_guided_keeps_the_sign_of_zero_and_checks_the_axis():
+  x = np.full((1, 32), 1.0, np.float32)
+  x[0, 1:5] = [-0.01, -0.0, 0.01, 0.0]
+  qa = quantize(jnp.asarray(x), MXFP4)
+  out = np.asarray(guided_quant(jnp.asarray(x * 1.001), make_record(qa), MXFP4))
+  np.testing.assert_array_equal(np.signbit(out), np.signbit(np.asarray(dequantize(qa))))
+  with pytest.raises(ValueError, match="quantized along axis -1.*axis -2"):
+    guided_quant(jnp.ones((32, 32)), make_record(quantize(jnp.ones((32, 32)), MXFP4)), MXFP4,
+                 axis=0)

@@ -245,6 +245,9 @@ def _check_record(x_shape, rec: Record, fmt: Format, axis: int, block: int) -> N
   if rec.fmt != fmt:
     raise ValueError(f"record was made with format {rec.fmt.name}, but guided_quant was asked for "
                      f"{fmt.name}")
+  if rec.axis != axis:  # both negative
+    raise ValueError(f"record was quantized along axis {rec.axis}, but the input shape "
+                     f"{tuple(x_shape)} is being quantized along axis {axis}")
   if not fmt.has_record:
     return
   n = x_shape[axis]

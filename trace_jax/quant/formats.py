@@ -121,7 +121,10 @@ class BlockFormat(Format):
     lo = jnp.clip(lo, -codec.max_ordinal, codec.max_ordinal - 1)
     # of lo and lo + 1 exactly one has the recorded lowest bit; that is the rollout's code
     pick = jnp.where((lo & 1) == mant_NxB.astype(jnp.int32), lo, lo + 1)
-    return codec.from_ordinal(pick), y
+    codes = codec.from_ordinal(pick)
+    # the record has no sign for zero: take y's, as rounding a tiny negative value would
+    codes = jnp.where((pick == 0) & jnp.signbit(y), jnp.uint8(codec.sign_bit), codes)
+    return codes, y
 
   def guided(self, x_NxB, mant_NxB, scales_N, global_1):
     codes, y = self.guided_codes(x_NxB, mant_NxB, scales_N, global_1)
@@ -164,7 +167,9 @@ class MXFP4Format(BlockFormat):
     code = codecs.biased_exponent(amax_N) - 2
     if self.scale_rounding == "ceil":  # amax / 2^e > 6 exactly when amax's significand is > 1.5
       code = code + (codecs.significand_bits(amax_N) > 0x400000).astype(jnp.int32)
-    code = jnp.clip(code, 0, 254)
+    # at most 252, floor's largest: above it a block maximum rounding up to 4 x 2^126 would
+    # overflow float32, so the topmost binade saturates at 6 x 2^125 instead
+    code = jnp.clip(code, 0, 252)
     return jnp.where(bad_N, 255, code).astype(jnp.uint8), None
 
   def to_grid(self, x_NxB, scales_N, global_1):
@@ -182,6 +187,7 @@ class MXFP4Format(BlockFormat):
 
 
 _E4M3_MIN_SUBNORMAL = 2.0**-9
+_F32_TINY = float(np.finfo(np.float32).tiny)  # 2^-126, the smallest normal float32
 _E4M3_MAX = 448.0
 _NVFP4_GLOBAL_DIVISOR = 6.0 * _E4M3_MAX
 
@@ -198,7 +204,8 @@ class NVFP4Format(BlockFormat):
   Every division by a constant or a broadcast scale is written as a multiplication by a float32
   reciprocal, the way kernels compute it (and the way XLA's CPU compiler rewrites such divisions
   anyway): g = amax * f32(1/2688), s = RN_e4m3((amax_block * f32(1/6)) * (1/g)),
-  element = RNE_e2m1(x * (1/(s*g))). That makes the bytes the same on every backend.
+  element = RNE_e2m1(x * (1/(s*g))). That makes the bytes the same on every backend. g is at
+  least 2^-126 (the smallest normal float32), so tiny rows are not flushed to zero.
   """
 
   name: str = "nvfp4"
@@ -219,8 +226,10 @@ class NVFP4Format(BlockFormat):
       amax_1 = jnp.max(amax_N, axis=-1, keepdims=True)
     else:
       amax_1 = jnp.max(amax_N, keepdims=True)
-    g_1 = amax_1 * _f32_reciprocal(_NVFP4_GLOBAL_DIVISOR)
-    g_1 = jnp.where(g_1 > 0, g_1, 1.0)  # all-zero row: any global works, keep it finite
+    # at least the smallest normal float32, so that a tiny row's global is not flushed to zero;
+    # an all-zero row takes 1 (any global works, keep it finite)
+    g_1 = jnp.maximum(amax_1 * _f32_reciprocal(_NVFP4_GLOBAL_DIVISOR), _F32_TINY)
+    g_1 = jnp.where(amax_1 > 0, g_1, 1.0)
     s_N = (amax_N * _f32_reciprocal(6.0)) * (1.0 / g_1)
     s_N = jnp.clip(s_N, 0.0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
     s_N = jnp.maximum(s_N.astype(jnp.float32), _E4M3_MIN_SUBNORMAL).astype(jnp.float8_e4m3fn)
@@ -239,7 +248,7 @@ class NVFP4Format(BlockFormat):
 
 @dataclasses.dataclass(frozen=True)
 class FP8Format(BlockFormat):
-  """FP8 E4M3 with an fp32 scale amax / 448 per row (`block_size=None`) or per block."""
+  """FP8 E4M3 with an fp32 scale max(amax / 448, 2^-126) per row (`block_size=None`) or block."""
 
   name: str = "fp8"
   block_size: int | None = None
@@ -250,7 +259,9 @@ class FP8Format(BlockFormat):
 
   def scales(self, x_NxB):
     amax_N, bad_N = _block_amax(x_NxB)
-    s_N = jnp.where(amax_N > 0, amax_N * _f32_reciprocal(_E4M3_MAX), 1.0)
+    # at least the smallest normal float32, so that 1/s stays finite for tiny rows
+    s_N = jnp.maximum(amax_N * _f32_reciprocal(_E4M3_MAX), _F32_TINY)
+    s_N = jnp.where(amax_N > 0, s_N, 1.0)
     return jnp.where(bad_N, _NAN, s_N), None
 
   def to_grid(self, x_NxB, scales_N, global_1):

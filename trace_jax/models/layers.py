@@ -1,0 +1,144 @@
+"""Building blocks of the decoder: norms, RoPE, the two attentions, MoE routing and dispatch.
+
+Shapes in names: B batch, T query positions, S key positions (cache slots), D d_model, H query
+heads, K kv heads, G = H / K, Dh head_dim, E experts, k experts per token, F expert d_ff.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# a large finite negative instead of -inf keeps fully masked rows (left padding) NaN-free
+_MASKED = -1e30
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """Qwen3 RMSNorm: normalize in float32, cast back, then scale (the Hugging Face order)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return w.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope(x_BxTxNxDh: jax.Array, pos_BxT: jax.Array, theta: float) -> jax.Array:
+  """Rotate-half RoPE at integer positions."""
+  dh = x_BxTxNxDh.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  freqs = pos_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(emb).astype(x_BxTxNxDh.dtype), jnp.sin(emb).astype(x_BxTxNxDh.dtype)
+  x1, x2 = jnp.split(x_BxTxNxDh, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x_BxTxNxDh * cos + rotated * sin
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w in the activation dtype with float32 accumulation."""
+  y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+  return y.astype(x.dtype)
+
+
+def grouped(x_MxD: jax.Array, w_ExDxF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+  """Rows of x sorted by expert times their expert's matrix, float32 accumulation."""
+  y = jax.lax.ragged_dot(x_MxD, w_ExDxF.astype(x_MxD.dtype), group_sizes_E,
+                         preferred_element_type=jnp.float32)
+  return y.astype(x_MxD.dtype)
+
+
+def _grouped_scores(q_BxTxHxDh, k_BxSxKxDh):
+  b, t, h, dh = q_BxTxHxDh.shape
+  kv = k_BxSxKxDh.shape[2]
+  q = q_BxTxHxDh.reshape(b, t, kv, h // kv, dh)
+  s = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxDh, preferred_element_type=jnp.float32)
+  return s * (dh**-0.5)
+
+
+def full_attention(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, valid_BxT) -> jax.Array:
+  """The trainer's attention: the whole causal, padding-masked score matrix, one softmax."""
+  b, t, h, dh = q_BxTxHxDh.shape
+  s = _grouped_scores(q_BxTxHxDh, k_BxTxKxDh)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  mask = causal[None, None, None] & valid_BxT[:, None, None, None, :]
+  p = jax.nn.softmax(jnp.where(mask, s, _MASKED), axis=-1).astype(q_BxTxHxDh.dtype)
+  o = jnp.einsum("bkgts,bskd->btkgd", p, v_BxTxKxDh, preferred_element_type=jnp.float32)
+  return o.reshape(b, t, h, dh).astype(q_BxTxHxDh.dtype)
+
+
+def flash_decode_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, q_slot_BxT, valid_BxS,
+                           chunk: int) -> jax.Array:
+  """The inference engine's attention over a cache, split along the sequence (flash-decoding).
+
+  Each chunk of `chunk` slots gets its own running max, sum and output; the partials are then
+  combined with an online-softmax rescale. Query i sees slots <= q_slot[i] that are valid.
+  """
+  b, t, h, dh = q_BxTxHxDh.shape
+  s_len, kv = k_BxSxKxDh.shape[1], k_BxSxKxDh.shape[2]
+  if s_len % chunk:
+    raise ValueError(f"cache length {s_len} is not a multiple of the attention chunk {chunk}")
+  n = s_len // chunk
+  s = _grouped_scores(q_BxTxHxDh, k_BxSxKxDh)  # [B, K, G, T, S]
+  slots = jnp.arange(s_len)
+  mask = (slots[None, None, :] <= q_slot_BxT[:, :, None]) & valid_BxS[:, None, :]  # [B, T, S]
+  s = jnp.where(mask[:, None, None], s, _MASKED).reshape(*s.shape[:-1], n, chunk)
+  m_c = jnp.max(s, axis=-1)  # [B, K, G, T, n]
+  p_c = jnp.exp(s - m_c[..., None])
+  p_c = jnp.where(mask.reshape(b, 1, 1, t, n, chunk), p_c, 0.0)
+  l_c = jnp.sum(p_c, axis=-1)
+  v_c = v_BxSxKxDh.reshape(b, n, chunk, kv, dh)
+  o_c = jnp.einsum("bkgtnc,bnckd->bkgtnd", p_c.astype(q_BxTxHxDh.dtype), v_c,
+                   preferred_element_type=jnp.float32)
+  m = jnp.max(m_c, axis=-1, keepdims=True)
+  w_c = jnp.exp(m_c - m)
+  l = jnp.sum(w_c * l_c, axis=-1)
+  o = jnp.sum(w_c[..., None] * o_c, axis=-2) / jnp.maximum(l, 1e-30)[..., None]
+  return jnp.einsum("bkgtd->btkgd", o).reshape(b, t, h, dh).astype(q_BxTxHxDh.dtype)
+
+
+def router_probs(x_BxTxD: jax.Array, w_DxE: jax.Array) -> jax.Array:
+  """Router in float32 (high precision at every quantization setting)."""
+  logits = jnp.dot(x_BxTxD.astype(jnp.float32), w_DxE.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  return jax.nn.softmax(logits, axis=-1)
+
+
+def top_k_experts(probs_BxTxE: jax.Array, k: int) -> jax.Array:
+  """Top-k expert ids per token, in ascending id order (a set: the slot layout of records)."""
+  _, idx = jax.lax.top_k(probs_BxTxE, k)
+  return jnp.sort(idx, axis=-1)
+
+
+def gate_weights(probs_BxTxE, idx_BxTxk, renormalize: bool):
+  gates = jnp.take_along_axis(probs_BxTxE, idx_BxTxk, axis=-1)
+  if renormalize:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return gates
+
+
+def load_balancing_loss(probs_BxTxE, idx_BxTxk, mask_BxT) -> jax.Array:
+  """Switch-style auxiliary loss as Qwen3-MoE computes it: E * sum_{k,e} f_{k,e} * P_e."""
+  e = probs_BxTxE.shape[-1]
+  w = mask_BxT.astype(jnp.float32)
+  denom = jnp.maximum(jnp.sum(w), 1.0)
+  f = jnp.einsum("btke,bt->ke", jax.nn.one_hot(idx_BxTxk, e), w) / denom
+  p = jnp.einsum("bte,bt->e", probs_BxTxE, w) / denom
+  return e * jnp.sum(f * p[None, :])
+
+
+class Dispatch:
+  """Tokens sorted by expert for grouped matmuls, and the way back (slot order: token, k)."""
+
+  def __init__(self, idx_MxK: jax.Array, n_experts: int):
+    flat = idx_MxK.reshape(-1)
+    self.k = idx_MxK.shape[-1]
+    self.order = jnp.argsort(flat, stable=True)
+    self.inverse = jnp.argsort(self.order)
+    self.group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+
+  def sort_tokens(self, x_MxD):
+    return x_MxD[self.order // self.k]
+
+  def sort_slots(self, x_MKxF):
+    return x_MKxF[self.order]
+
+  def unsort(self, y_MKxF):
+    return y_MKxF[self.inverse]

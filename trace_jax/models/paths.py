@@ -1,0 +1,221 @@
+"""The two execution paths of DESIGN section 4, and the weight sync between them.
+
+`TrainPath`: dense weights fake-quantized from the float32 master params (straight-through),
+activations and K/V fake-quantized at the same sites, guided by the rollout's records where they
+exist, the full-sequence masked attention of a trainer.
+
+`RolloutPath`: packed weights (`RolloutWeights`, made by `pack_weights`, the weight sync),
+activations quantized with plain rounding (their records emitted), K/V written to a packed cache
+and attended over with flash-decoding, as an inference engine computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import quant
+from trace_jax.models import layers as L
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.recipe import WEIGHT_AXES, QuantRecipe
+from trace_jax.quant import BF16, QArray
+
+Records = dict[int, dict[str, quant.Record]]
+
+
+def _per_matrix(fn, w: jax.Array, name: str):
+  """Applies fn(w, axis) per weight matrix: expert stacks [E, ...] get one call per expert
+  (NVFP4's per-tensor global is then per expert)."""
+  axis = WEIGHT_AXES[name]
+  if w.ndim == 3:
+    return jax.vmap(lambda m: fn(m, axis=axis - 1))(w)
+  return fn(w, axis=axis)
+
+
+def _emit(store: dict, layer: int, site: str, value) -> None:
+  store.setdefault(layer, {})[site] = value
+
+
+# ----------------------------------------------------------------------------------------------
+# training
+
+
+class TrainPath:
+  """The trainer's computation (see module docstring)."""
+
+  def __init__(self, cfg: ModelConfig, valid_BxT: jax.Array, recipe: QuantRecipe = QuantRecipe(),
+               records: Records | None = None, routes_LxBxTxk: jax.Array | None = None,
+               collect_codes: bool = False):
+    self.cfg, self.recipe, self.valid = cfg, recipe, valid_BxT
+    self.records = records or {}
+    self.routes = routes_LxBxTxk
+    self.collect_codes = collect_codes
+    self.codes: dict[int, dict[str, jax.Array]] = {}
+
+  def weight(self, w: jax.Array, layer: int, name: str) -> jax.Array:
+    fmt = self.recipe.weight_format(layer, self.cfg.n_layers)
+    if fmt is BF16:
+      return w
+    return _per_matrix(functools.partial(quant.fake_quant, fmt=fmt), w, name)
+
+  def linear(self, x, w, layer, name):
+    return L.dense(x, self.weight(w, layer, name))
+
+  def experts(self, x_MxD, w, group_sizes, layer, name):
+    return L.grouped(x_MxD, self.weight(w, layer, name), group_sizes)
+
+  def act(self, x, layer, site):
+    fmt = self.recipe.site_format(site, layer, self.cfg.n_layers)
+    if fmt is BF16:
+      return x
+    rec = self.records.get(layer, {}).get(site)
+    if rec is not None:  # the rollout's codes, recovered: DESIGN section 5
+      y = quant.guided_quant(x, rec, fmt)
+    else:
+      y = quant.fake_quant(x, fmt)
+    if self.collect_codes:
+      codes = (quant.guided_codes(x, rec, fmt) if rec is not None
+               else quant.element_codes(quant.quantize(x, fmt)))
+      _emit(self.codes, layer, site, jax.lax.stop_gradient(codes))
+    return y.astype(x.dtype)
+
+  def attention(self, q, k, v, layer):
+    k = self.act(k, layer, "k")
+    v = self.act(v, layer, "v")
+    return L.full_attention(q, k, v, self.valid)
+
+  def route(self, probs, layer):
+    if self.routes is not None:  # routing replay: the rollout's experts, the trainer's gates
+      return self.routes[layer].astype(jnp.int32)
+    return L.top_k_experts(probs, self.cfg.top_k)
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout weights: the weight sync
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class RolloutWeights:
+  """The rollout engine's weights: projections as packed `QArray`s (bf16 arrays in layers the
+  recipe leaves unquantized), embeddings and LM head in the activation dtype, router and norms
+  as in the master params. A different type from the params, made only by `pack_weights`."""
+
+  embed: jax.Array
+  layers: list[dict[str, Any]]
+  final_norm: jax.Array
+  lm_head: jax.Array | None
+
+  def __getitem__(self, key):
+    return getattr(self, key)
+
+  @property
+  def nbytes(self) -> int:
+    leaves = jax.tree.leaves(self)
+    return sum(a.size * a.dtype.itemsize for a in leaves)
+
+
+def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe) -> RolloutWeights:
+  """The weight sync: master params -> rollout weights, quantized as the recipe says.
+
+  Weights are deterministic functions of the params, so the trainer's fake-quantized weights
+  dequantize to exactly these values."""
+  dt = cfg.act_dtype
+  layers = []
+  for i, p in enumerate(params["layers"]):
+    fmt = recipe.weight_format(i, cfg.n_layers)
+    packed = dict(p)
+    for name in WEIGHT_AXES:
+      if fmt is BF16:
+        packed[name] = p[name].astype(dt)
+      else:
+        packed[name] = _per_matrix(functools.partial(quant.quantize, fmt=fmt), p[name], name)
+    layers.append(packed)
+  head = None if cfg.tie_embeddings else params["lm_head"].astype(dt)
+  return RolloutWeights(embed=params["embed"].astype(dt), layers=layers,
+                        final_norm=params["final_norm"], lm_head=head)
+
+
+def unpack(w) -> jax.Array:
+  """A rollout weight as a dense array (packed weights dequantized to float32)."""
+  return quant.dequantize(w) if isinstance(w, QArray) else w
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout
+
+
+def new_kv_cache(cfg: ModelConfig, recipe: QuantRecipe, batch: int, slots: int) -> list:
+  """Per layer (K, V), each [B, S, K, Dh]: a packed QArray, or an array where unquantized."""
+  shape = (batch, slots, cfg.n_kv_heads, cfg.head_dim)
+  cache = []
+  for i in range(cfg.n_layers):
+    pair = []
+    for site in ("k", "v"):
+      fmt = recipe.site_format(site, i, cfg.n_layers)
+      zeros = jnp.zeros(shape, cfg.act_dtype)
+      pair.append(zeros if fmt is BF16 else quant.quantize(zeros, fmt))
+    cache.append(tuple(pair))
+  return cache
+
+
+def write_slots(buffer, new, start, axis: int = 1):
+  """Writes `new` (any pytree of arrays) into `buffer` at `start` along `axis`."""
+  return jax.tree.map(lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype),
+                                                                         start, axis), buffer, new)
+
+
+class RolloutPath:
+  """The inference engine's computation for T new positions written at cache slot `start`."""
+
+  def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, cache: list, start: jax.Array,
+               q_slot_BxT: jax.Array, valid_BxS: jax.Array, record_layers: tuple[int, ...],
+               attn_chunk: int, collect_codes: bool = False):
+    self.cfg, self.recipe = cfg, recipe
+    self.cache, self.start = cache, start
+    self.q_slot, self.valid = q_slot_BxT, valid_BxS
+    self.record_layers = frozenset(record_layers)
+    self.attn_chunk = attn_chunk
+    self.collect_codes = collect_codes
+    self.new_cache: list = list(cache)
+    self.records: Records = {}
+    self.codes: dict[int, dict[str, jax.Array]] = {}
+    self.routes: list[jax.Array] = []
+
+  def linear(self, x, w, layer, name):
+    return L.dense(x, unpack(w))
+
+  def experts(self, x_MxD, w, group_sizes, layer, name):
+    return L.grouped(x_MxD, unpack(w), group_sizes)
+
+  def _quantize(self, x, layer, site):
+    """-> (what to store: QArray or array, the values the engine computes with)."""
+    fmt = self.recipe.site_format(site, layer, self.cfg.n_layers)
+    if fmt is BF16:
+      return x, x
+    qa = quant.quantize(x, fmt)
+    if layer in self.record_layers:
+      _emit(self.records, layer, site, quant.make_record(qa))
+    if self.collect_codes:
+      _emit(self.codes, layer, site, quant.element_codes(qa))
+    return qa, quant.dequantize(qa).astype(x.dtype)
+
+  def act(self, x, layer, site):
+    return self._quantize(x, layer, site)[1]
+
+  def attention(self, q, k, v, layer):
+    stored = tuple(self._quantize(a, layer, site)[0] for a, site in ((k, "k"), (v, "v")))
+    cache = write_slots(self.cache[layer], stored, self.start)
+    self.new_cache[layer] = cache
+    k_all, v_all = (unpack(c).astype(q.dtype) for c in cache)
+    return L.flash_decode_attention(q, k_all, v_all, self.q_slot, self.valid, self.attn_chunk)
+
+  def route(self, probs, layer):
+    idx = L.top_k_experts(probs, self.cfg.top_k)
+    self.routes.append(idx.astype(jnp.uint8))
+    return idx

@@ -1,0 +1,131 @@
+"""The Qwen3-MoE decoder, written once for the rollout engine and the trainer.
+
+How each quantization site, projection and attention is computed is the job of the `path`
+argument (`trace_jax.models.paths`): the trainer's path fake-quantizes master params and guides
+activations by records; the rollout's path multiplies packed FP4 weights and attends over a
+packed KV cache. This file only says what is computed, in which order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.models import layers as L
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.paths import TrainPath
+
+Params = dict[str, Any]
+
+
+class Path(Protocol):
+  """How a forward pass computes the parts where rollout and training differ."""
+
+  def linear(self, x: jax.Array, w: Any, layer: int, name: str) -> jax.Array: ...
+
+  def experts(self, x_MxD: jax.Array, w: Any, group_sizes: jax.Array, layer: int,
+              name: str) -> jax.Array: ...
+
+  def act(self, x: jax.Array, layer: int, site: str) -> jax.Array: ...
+
+  def attention(self, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer: int) -> jax.Array: ...
+
+  def route(self, probs_BxTxE: jax.Array, layer: int) -> jax.Array: ...
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+  """float32 master params; std 1/sqrt(fan_in) x cfg.init_scale, norms at one."""
+  d, e, f = cfg.d_model, cfg.n_experts, cfg.d_ff
+  keys = iter(jax.random.split(key, 3 + 8 * cfg.n_layers))
+
+  def normal(shape, fan_in):
+    return jax.random.normal(next(keys), shape, jnp.float32) * (cfg.init_scale / math.sqrt(fan_in))
+
+  def layer():
+    return {
+        "attn_norm": jnp.ones((d,)), "mlp_norm": jnp.ones((d,)),
+        "q_norm": jnp.ones((cfg.head_dim,)), "k_norm": jnp.ones((cfg.head_dim,)),
+        "wq": normal((d, cfg.q_dim), d), "wk": normal((d, cfg.kv_dim), d),
+        "wv": normal((d, cfg.kv_dim), d), "wo": normal((cfg.q_dim, d), cfg.q_dim),
+        "router": normal((d, e), d),
+        "w_gate": normal((e, d, f), d), "w_up": normal((e, d, f), d),
+        "w_down": normal((e, f, d), f),
+    }
+
+  params = {
+      "embed": jax.random.normal(next(keys), (cfg.vocab_size, d)) * cfg.init_scale,
+      "layers": [layer() for _ in range(cfg.n_layers)],
+      "final_norm": jnp.ones((d,)),
+  }
+  if not cfg.tie_embeddings:
+    params["lm_head"] = normal((d, cfg.vocab_size), d)
+  return params
+
+
+def decoder_layer(cfg: ModelConfig, p: Params, h_BxTxD: jax.Array, pos_BxT: jax.Array,
+                  path: Path, i: int):
+  """One block. Returns the new residual stream, the router probabilities and the experts."""
+  b, t, _ = h_BxTxD.shape
+  x = L.rms_norm(h_BxTxD, p["attn_norm"], cfg.norm_eps)
+  x = path.act(x, i, "attn_in")
+  q = path.linear(x, p["wq"], i, "wq").reshape(b, t, cfg.n_heads, cfg.head_dim)
+  k = path.linear(x, p["wk"], i, "wk").reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+  v = path.linear(x, p["wv"], i, "wv").reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+  q = L.rope(L.rms_norm(q, p["q_norm"], cfg.norm_eps), pos_BxT, cfg.rope_theta)
+  k = L.rope(L.rms_norm(k, p["k_norm"], cfg.norm_eps), pos_BxT, cfg.rope_theta)
+  o = path.attention(q, k, v, i)  # quantizes K and V at the kv sites first
+  o = path.act(o.reshape(b, t, cfg.q_dim), i, "attn_out")
+  h_BxTxD = h_BxTxD + path.linear(o, p["wo"], i, "wo")
+
+  x = L.rms_norm(h_BxTxD, p["mlp_norm"], cfg.norm_eps)
+  probs = L.router_probs(x, p["router"])
+  idx = path.route(probs, i)
+  gates = L.gate_weights(probs, idx, cfg.norm_topk_prob)
+  x = path.act(x, i, "moe_in")
+  h_BxTxD = h_BxTxD + moe(cfg, p, x, idx, gates, path, i)
+  return h_BxTxD, probs, idx
+
+
+def moe(cfg: ModelConfig, p: Params, x_BxTxD, idx_BxTxk, gates_BxTxk, path: Path, i: int):
+  """SwiGLU experts on the tokens routed to them, combined with the gate weights."""
+  b, t, d = x_BxTxD.shape
+  k = cfg.top_k
+  dispatch = L.Dispatch(idx_BxTxk.reshape(b * t, k), cfg.n_experts)
+  xs = dispatch.sort_tokens(x_BxTxD.reshape(b * t, d))
+  g = path.experts(xs, p["w_gate"], dispatch.group_sizes, i, "w_gate")
+  u = path.experts(xs, p["w_up"], dispatch.group_sizes, i, "w_up")
+  mid = jax.nn.silu(g) * u
+  # the moe_mid site is laid out per (token, expert slot), as its records are
+  mid = path.act(dispatch.unsort(mid).reshape(b, t, k, cfg.d_ff), i, "moe_mid")
+  ys = path.experts(dispatch.sort_slots(mid.reshape(b * t * k, cfg.d_ff)), p["w_down"],
+                    dispatch.group_sizes, i, "w_down")
+  y = dispatch.unsort(ys).reshape(b, t, k, d)
+  return jnp.sum(y * gates_BxTxk[..., None].astype(y.dtype), axis=2)
+
+
+def forward(cfg: ModelConfig, weights: Params, tokens_BxT: jax.Array, pos_BxT: jax.Array,
+            path: Path):
+  """Logits (float32) and, per layer, the router probabilities and chosen experts."""
+  h = jnp.take(weights["embed"], tokens_BxT, axis=0).astype(cfg.act_dtype)
+  routing = []
+  for i, p in enumerate(weights["layers"]):
+    h, probs, idx = decoder_layer(cfg, p, h, pos_BxT, path, i)
+    routing.append((probs, idx))
+  h = L.rms_norm(h, weights["final_norm"], cfg.norm_eps)
+  head = weights["embed"].T if cfg.tie_embeddings else weights["lm_head"]
+  logits = jnp.dot(h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+  return logits, routing
+
+
+def logits(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array) -> jax.Array:
+  """Teacher-forced logits without quantization, positions 0..T-1 (float32 [B, T, V])."""
+  tokens_BxT = jnp.asarray(tokens_BxT)
+  if tokens_BxT.ndim != 2:
+    raise ValueError(f"tokens must be [batch, time], got shape {tokens_BxT.shape}")
+  b, t = tokens_BxT.shape
+  path = TrainPath(cfg, valid_BxT=jnp.ones((b, t), bool))  # the trainer's path, no recipe
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  return forward(cfg, params, tokens_BxT, pos, path)[0]

@@ -1,0 +1,1 @@
+"""Rollouts, the training path and the RL loop."""

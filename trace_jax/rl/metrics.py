@@ -1,0 +1,85 @@
+"""Train/rollout mismatch metrics of DESIGN section 7 (names are fixed: JSONL keys)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.recipe import QuantRecipe
+
+
+def masked_mean(x, mask):
+  mask = mask.astype(jnp.float32)
+  return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def masked_max(x, mask):
+  return jnp.max(jnp.where(mask, x, -jnp.inf), initial=0.0)
+
+
+def logp_mismatch(logp_rollout_BxL, logp_train_BxL, mask_BxL, *, prompt_width: int | None = None,
+                  n_buckets: int = 8) -> dict[str, float | list]:
+  """KL (k3), log-prob and probability differences over the masked (response) tokens."""
+  r = logp_train_BxL - logp_rollout_BxL
+  k3 = jnp.exp(r) - r - 1.0
+  dp = jnp.abs(jnp.exp(logp_train_BxL) - jnp.exp(logp_rollout_BxL))
+  out = {
+      "mismatch/kl_k3": masked_mean(k3, mask_BxL),
+      "mismatch/logp_abs_diff_mean": masked_mean(jnp.abs(r), mask_BxL),
+      "mismatch/logp_abs_diff_max": masked_max(jnp.abs(r), mask_BxL),
+      "mismatch/prob_abs_diff_mean": masked_mean(dp, mask_BxL),
+      "mismatch/prob_abs_diff_max": masked_max(dp, mask_BxL),
+  }
+  out = {k: float(v) for k, v in out.items()}
+  if prompt_width is not None:
+    out["mismatch/kl_k3_by_position"] = kl_by_position(k3, mask_BxL, prompt_width, n_buckets)
+  return out
+
+
+def kl_by_position(k3_BxL, mask_BxL, prompt_width: int, n_buckets: int) -> list[float | None]:
+  """Mean k3 in `n_buckets` equal buckets of response position (None where a bucket is empty)."""
+  k3, mask = np.asarray(k3_BxL), np.asarray(mask_BxL)
+  n_resp = k3.shape[1] - prompt_width
+  edges = np.linspace(0, n_resp, n_buckets + 1).round().astype(int) + prompt_width
+  out = []
+  for lo, hi in zip(edges[:-1], edges[1:]):
+    m = mask[:, lo:hi]
+    out.append(float(k3[:, lo:hi][m].mean()) if m.any() else None)
+  return out
+
+
+def flip_rates(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes_train: dict,
+               mask_BxT: jax.Array) -> dict[str, float]:
+  """Fraction of quantized elements whose code differs, overall and per site and layer.
+
+  codes are {layer: {site: uint8 [B, T, ...]}}; -0 and +0 count as one code; only positions
+  in mask_BxT count (those that predict response tokens).
+  """
+  out, n_flip, n_all = {}, 0.0, 0.0
+  for layer in sorted(codes_rollout):
+    for site, c_r in codes_rollout[layer].items():
+      c_t = codes_train[layer][site]
+      sign = recipe.site_format(site, layer, cfg.n_layers).codec.sign_bit
+      canon = lambda c: jnp.where(c == sign, 0, c)
+      diff = (canon(c_r) != canon(c_t)).reshape(*c_r.shape[:2], -1)
+      m = mask_BxT[:, :, None].astype(jnp.float32)
+      flips = float(jnp.sum(diff * m))
+      total = float(jnp.sum(m) * diff.shape[-1])
+      out[f"mismatch/flip_rate/{site}/layer_{layer}"] = flips / max(total, 1.0)
+      n_flip, n_all = n_flip + flips, n_all + total
+  out["mismatch/flip_rate"] = n_flip / max(n_all, 1.0)
+  return out
+
+
+def route_flip_rate(routes_rollout, routes_train, mask_BxT) -> float:
+  """Fraction of (token, layer) whose top-k expert set differs (routes are sorted id sets)."""
+  differ = jnp.any(routes_rollout != routes_train, axis=-1)  # [L, B, T]
+  return float(masked_mean(differ, jnp.broadcast_to(mask_BxT, differ.shape)))
+
+
+def record_bytes_per_token(records: dict, positions: int) -> float:
+  """Record bytes per fed position (all layers and sites), from the arrays themselves."""
+  leaves = jax.tree.leaves(records)
+  return sum(a.size * a.dtype.itemsize for a in leaves) / max(positions, 1)

@@ -1,0 +1,52 @@
+"""The training path: one teacher-forced pass over prompt + response (DESIGN section 4)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.models import layers as L
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.paths import Records, TrainPath
+from trace_jax.models.qwen3_moe import forward
+from trace_jax.models.recipe import QuantRecipe
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["logp", "aux_loss", "codes", "routes"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class TrainOutputs:
+  """logp [B, L]: log-prob of tokens[:, j] given tokens[:, :j] (0 at j = 0); aux_loss: the mean
+  load-balancing loss over layers; codes {layer: {site: codes}} when collected; routes
+  [n_layers, B, L-1, k]: the experts the trainer used."""
+
+  logp: jax.Array
+  aux_loss: jax.Array
+  codes: dict
+  routes: jax.Array
+
+
+def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: jax.Array,
+              recipe: QuantRecipe = QuantRecipe(), *, records: Records | None = None,
+              routes: jax.Array | None = None, temperature: float = 1.0,
+              collect_codes: bool = False) -> TrainOutputs:
+  """Fake-quantized forward over tokens[:, :-1], scored on tokens[:, 1:].
+
+  records: the rollout's records (arrays [B, L-1, ...]); sites without one round to nearest.
+  routes: [n_layers, B, L-1, k] expert ids to replay instead of the trainer's own top-k.
+  """
+  inputs, targets = tokens_BxL[:, :-1], tokens_BxL[:, 1:]
+  valid = valid_BxL[:, :-1]
+  pos = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+  path = TrainPath(cfg, valid, recipe, records, routes, collect_codes)
+  logits, routing = forward(cfg, params, inputs, pos, path)
+  if temperature > 0:
+    logits = logits / temperature
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)
+  logp = jnp.pad(logp[..., 0], ((0, 0), (1, 0)))
+  aux = jnp.mean(jnp.stack([L.load_balancing_loss(p, i, valid) for p, i in routing]))
+  return TrainOutputs(logp=logp, aux_loss=aux, codes=path.codes,
+                      routes=jnp.stack([i for _, i in routing]).astype(jnp.uint8))

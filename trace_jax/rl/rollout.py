@@ -1,0 +1,206 @@
+"""The FP4 rollout engine: prefill, then a jitted decode loop over a packed KV cache.
+
+Prompts are left-padded so that every sequence writes the same cache slot at each step; slot j
+holds token j of the padded sequence (prompt, then response). The engine returns the tokens,
+the response mask, its own log-probabilities of the sampled tokens and the records of DESIGN
+section 5 for every position the trainer recomputes (all but the last token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.paths import RolloutPath, RolloutWeights, new_kv_cache, write_slots
+from trace_jax.models.qwen3_moe import forward
+from trace_jax.models.recipe import QuantRecipe, parse_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """temperature 0 is greedy; log-probabilities are always of softmax(logits / temperature)
+  (temperature 1 when greedy), before top-p truncation."""
+
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_p: float = 1.0
+  stop_tokens: tuple[int, ...] = ()
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "valid", "response_mask", "logp", "records", "routes",
+                                "codes"],
+                   meta_fields=["prompt_width"])
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+  """What a rollout hands the trainer. L = prompt_width + max_new_tokens.
+
+  tokens [B, L] int32, valid [B, L] (False on left padding), response_mask [B, L] (sampled tokens
+  up to and including a stop token), logp [B, L] (the rollout's log-prob of tokens[:, j] at
+  response positions, 0 elsewhere), records {layer: {site: Record}} with arrays [B, L-1, ...],
+  routes [n_layers, B, L-1, k] uint8 expert ids, codes {layer: {site: uint8 codes}} (diagnostics).
+  """
+
+  tokens: jax.Array
+  valid: jax.Array
+  response_mask: jax.Array
+  logp: jax.Array
+  records: dict
+  routes: jax.Array | None
+  codes: dict | None
+  prompt_width: int
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token lists -> (tokens [B, P] int32, lengths [B])."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token")
+  width = max(len(p) for p in prompts)
+  out = np.full((len(prompts), width), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    out[i, width - len(p):] = p
+  return out, np.array([len(p) for p in prompts], np.int32)
+
+
+def sample(key, logits_BxV, temperature: float, top_p: float):
+  """-> (token ids [B], their log-probabilities [B])."""
+  if temperature == 0:
+    logp_all = jax.nn.log_softmax(logits_BxV, axis=-1)
+    tok = jnp.argmax(logits_BxV, axis=-1)
+  else:
+    logp_all = jax.nn.log_softmax(logits_BxV / temperature, axis=-1)
+    masked = logp_all
+    if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
+      desc = jnp.sort(logp_all, axis=-1)[:, ::-1]
+      before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)
+      threshold = jnp.min(jnp.where(before < top_p, desc, jnp.inf), axis=-1, keepdims=True)
+      masked = jnp.where(logp_all >= threshold, logp_all, -jnp.inf)
+    tok = jax.random.categorical(key, masked, axis=-1)
+  return tok.astype(jnp.int32), jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+
+
+def _zeros_like_slots(tree, slots: int, axis: int):
+  def alloc(a):
+    shape = list(a.shape)
+    shape[axis] = slots
+    return jnp.zeros(shape, a.dtype)
+  return jax.tree.map(alloc, tree)
+
+
+class RolloutEngine:
+  """Batched generation with a recipe, records for `records` layers and routing decisions.
+
+  `records`: "none" | "all" | "last:N" | [layer indices]. `collect_codes` also returns every
+  quantized site's element codes (large; for the mismatch probe). `attn_chunk`: the sequence
+  split of flash-decoding.
+  """
+
+  def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
+               records: str | Sequence[int] = "none", collect_codes: bool = False,
+               attn_chunk: int = 64):
+    self.cfg, self.recipe, self.sampling = cfg, recipe, sampling
+    self.record_layers = parse_layers(records, cfg.n_layers, what="records")
+    self.collect_codes = collect_codes
+    self.attn_chunk = attn_chunk
+    self.prefill = jax.jit(self._prefill)
+    self.decode = jax.jit(self._decode, donate_argnums=(1,))
+
+  def generate(self, weights: RolloutWeights, prompts_BxP, lengths_B, key) -> RolloutBatch:
+    prompts_BxP, lengths_B = jnp.asarray(prompts_BxP, jnp.int32), jnp.asarray(lengths_B)
+    if prompts_BxP.ndim != 2 or lengths_B.shape != prompts_BxP.shape[:1]:
+      raise ValueError(f"prompts must be [B, P] with lengths [B], got {prompts_BxP.shape} and "
+                       f"{lengths_B.shape}")
+    state = self.decode(weights, self.prefill(weights, prompts_BxP, lengths_B, key))
+    return self._finish(state, prompts_BxP.shape[1])
+
+  # -- shapes: P padded prompt width, L = P + N tokens, L - 1 positions fed to the model ------
+
+  def _path(self, cache, start, q_slot_BxT, valid_BxS):
+    return RolloutPath(self.cfg, self.recipe, cache, start, q_slot_BxT, valid_BxS,
+                       self.record_layers, self.attn_chunk, self.collect_codes)
+
+  def _sample(self, key, logits_BxV):
+    return sample(key, logits_BxV, self.sampling.temperature, self.sampling.top_p)
+
+  def _prefill(self, weights, prompts_BxP, lengths_B, key):
+    b, p = prompts_BxP.shape
+    total = p + self.sampling.max_new_tokens
+    fed = total - 1
+    slots = -(-fed // self.attn_chunk) * self.attn_chunk
+    pad_B = p - lengths_B
+    valid_BxS = jnp.arange(slots)[None, :] >= pad_B[:, None]
+    pos = jnp.maximum(jnp.arange(p)[None, :] - pad_B[:, None], 0)
+    path = self._path(new_kv_cache(self.cfg, self.recipe, b, slots), 0,
+                      jnp.broadcast_to(jnp.arange(p), (b, p)), valid_BxS)
+    logits, _ = forward(self.cfg, weights, prompts_BxP, pos, path)
+    key, sub = jax.random.split(key)
+    tok, lp = self._sample(sub, logits[:, -1])
+    pad = self.sampling.pad_id
+    tokens = jnp.full((b, total), pad, jnp.int32).at[:, :p].set(prompts_BxP).at[:, p].set(tok)
+    routes = jnp.stack(path.routes)
+    return {
+        "t": jnp.asarray(p, jnp.int32), "key": key, "pad": pad_B, "valid": valid_BxS,
+        "tokens": tokens, "logp": jnp.zeros((b, total), jnp.float32).at[:, p].set(lp),
+        "done": jnp.isin(tok, jnp.asarray(self.sampling.stop_tokens, jnp.int32)),
+        "lengths": jnp.ones((b,), jnp.int32), "cache": path.new_cache,
+        "records": write_slots(_zeros_like_slots(path.records, fed, 1), path.records, 0),
+        "codes": write_slots(_zeros_like_slots(path.codes, fed, 1), path.codes, 0),
+        "routes": write_slots(_zeros_like_slots(routes, fed, 2), routes, 0, axis=2),
+    }
+
+  def _decode(self, weights, state):
+    total = state["tokens"].shape[1]
+    stops = jnp.asarray(self.sampling.stop_tokens, jnp.int32)
+    pad = self.sampling.pad_id
+
+    def cond(s):
+      return (s["t"] < total - 1) & ~jnp.all(s["done"])
+
+    def body(s):
+      t, b = s["t"], s["tokens"].shape[0]
+      tok = jax.lax.dynamic_slice_in_dim(s["tokens"], t, 1, axis=1)
+      pos = jnp.maximum(t - s["pad"], 0)[:, None]
+      path = self._path(s["cache"], t, jnp.full((b, 1), t), s["valid"])
+      logits, _ = forward(self.cfg, weights, tok, pos, path)
+      key, sub = jax.random.split(s["key"])
+      nxt, lp = self._sample(sub, logits[:, 0])
+      nxt = jnp.where(s["done"], pad, nxt)
+      lp = jnp.where(s["done"], 0.0, lp)
+      return {
+          **s, "t": t + 1, "key": key, "cache": path.new_cache,
+          "tokens": write_slots(s["tokens"], nxt[:, None], t + 1),
+          "logp": write_slots(s["logp"], lp[:, None], t + 1),
+          "lengths": s["lengths"] + (~s["done"]).astype(jnp.int32),
+          "done": s["done"] | jnp.isin(nxt, stops),
+          "records": write_slots(s["records"], path.records, t),
+          "codes": write_slots(s["codes"], path.codes, t),
+          "routes": write_slots(s["routes"], jnp.stack(path.routes), t, axis=2),
+      }
+
+    return jax.lax.while_loop(cond, body, state)
+
+  def _finish(self, state, prompt_width: int) -> RolloutBatch:
+    total = state["tokens"].shape[1]
+    j = jnp.arange(total)[None, :]
+    response = (j >= prompt_width) & (j < prompt_width + state["lengths"][:, None])
+    return RolloutBatch(
+        tokens=state["tokens"], valid=j >= state["pad"][:, None], response_mask=response,
+        logp=jnp.where(response, state["logp"], 0.0), records=state["records"],
+        routes=state["routes"], codes=state["codes"] if self.collect_codes else None,
+        prompt_width=prompt_width)
