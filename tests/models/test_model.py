@@ -1,0 +1,95 @@
+"""The decoder: presets, weight sync bit-identity, causality, the recipe."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import quant
+from trace_jax.models import (QuantRecipe, TrainPath, init_params, logits, pack_weights,
+                              parse_layers, preset, qwen3_30b_a3b, small, tiny)
+from trace_jax.models.paths import unpack
+from trace_jax.models.recipe import WEIGHT_AXES
+
+
+def test_presets():
+  q = qwen3_30b_a3b(n_layers=2)
+  assert (q.d_model, q.n_experts, q.top_k, q.d_ff, q.n_heads, q.n_kv_heads, q.head_dim) == (
+      2048, 128, 8, 768, 32, 4, 128)
+  assert small().n_layers == 4 and tiny(n_layers=3).n_layers == 3
+  with pytest.raises(ValueError, match="unknown model preset 'huge'.*small"):
+    preset("huge")
+  with pytest.raises(ValueError, match="n_heads \\(6\\) must be a multiple of n_kv_heads \\(4\\)"):
+    tiny(n_heads=6, n_kv_heads=4)
+
+
+@pytest.mark.parametrize("precision", ["mxfp4", "nvfp4", "fp8"])
+def test_packed_weights_dequantize_to_the_trainers_fake_quant_weights(precision):
+  cfg = tiny(n_layers=3)
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  recipe = QuantRecipe.uniform(precision, layers=[0, 2])
+  packed = pack_weights(cfg, params, recipe)
+  path = TrainPath(cfg, jnp.ones((1, 1), bool), recipe)
+  for i in range(cfg.n_layers):
+    for name in WEIGHT_AXES:
+      rollout_w = packed.layers[i][name]
+      assert isinstance(rollout_w, quant.QArray) == (i != 1)
+      want = np.asarray(path.weight(params["layers"][i][name], i, name))
+      got = np.asarray(unpack(rollout_w).astype(jnp.float32))
+      if i == 1:  # unquantized layer: the bf16 weight, the trainer's float32 master
+        np.testing.assert_array_equal(got, np.asarray(want.astype(jnp.bfloat16), np.float32))
+      else:
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  # packed FP4 weights are a fraction of the bf16 bytes
+  if precision != "fp8":
+    bf16 = pack_weights(cfg, params, QuantRecipe())
+    assert packed.layers[0]["w_gate"].nbytes < 0.3 * bf16.layers[0]["w_gate"].nbytes
+
+
+def test_nvfp4_weights_have_one_global_per_matrix():
+  cfg = tiny()
+  packed = pack_weights(cfg, init_params(cfg, jax.random.PRNGKey(0)), QuantRecipe.uniform("nvfp4"))
+  assert packed.layers[0]["w_gate"].global_scale.shape == (cfg.n_experts, 1, 1)
+  assert packed.layers[0]["wq"].global_scale.shape == (1, 1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp4"])
+def test_causality(precision):
+  cfg = tiny()
+  params = init_params(cfg, jax.random.PRNGKey(1))
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 12), 0, cfg.vocab_size)
+  changed = tokens.at[:, 7:].set((tokens[:, 7:] + 5) % cfg.vocab_size)
+  recipe = QuantRecipe.uniform(precision)
+
+  def run(t):
+    path = TrainPath(cfg, jnp.ones(t.shape, bool), recipe)
+    pos = jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape)
+    from trace_jax.models.qwen3_moe import forward
+    return np.asarray(jax.jit(lambda t: forward(cfg, params, t, pos, path)[0])(t))
+
+  a, b = run(tokens), run(changed)
+  np.testing.assert_array_equal(a[:, :7], b[:, :7])
+  assert np.abs(a[:, 7:] - b[:, 7:]).max() > 0
+
+
+def test_logits_shape_and_errors():
+  cfg = tiny()
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  assert logits(cfg, params, jnp.zeros((3, 5), jnp.int32)).shape == (3, 5, cfg.vocab_size)
+  with pytest.raises(ValueError, match=r"\[batch, time\].*\(5,\)"):
+    logits(cfg, params, jnp.zeros((5,), jnp.int32))
+
+
+def test_parse_layers():
+  assert parse_layers("none", 4) == () and parse_layers(None, 4) == ()
+  assert parse_layers("all", 3) == (0, 1, 2)
+  assert parse_layers("last:2", 4) == (2, 3)
+  assert parse_layers([3, 1, 1], 4) == (1, 3)
+  with pytest.raises(ValueError, match="last:9.*\\[0, 4\\]"):
+    parse_layers("last:9", 4)
+  with pytest.raises(ValueError, match="indices \\[7\\] out of range"):
+    parse_layers([0, 7], 4)
+  with pytest.raises(ValueError, match="'some'.*'none', 'all', 'last:N'"):
+    parse_layers("some", 4)
+  with pytest.raises(ValueError, match="unknown quantization format 'fp4'"):
+    QuantRecipe(weights="fp4")

@@ -1,0 +1,156 @@
+"""The rollout engine against the training path: KV cache, sampling, records, routing replay."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax.models import QuantRecipe, SITES, init_params, logits, pack_weights, tiny
+from trace_jax.rl import metrics as M
+from trace_jax.rl.recompute import recompute
+from trace_jax.rl.rollout import RolloutEngine, SamplingConfig, pad_prompts, sample
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [3]]
+
+
+@functools.lru_cache(maxsize=None)
+def policy(dtype="bfloat16", n_layers=2):
+  cfg = tiny(dtype=dtype, n_layers=n_layers)
+  return cfg, init_params(cfg, jax.random.PRNGKey(0))
+
+
+@functools.lru_cache(maxsize=None)
+def rollout(precision, records="all", dtype="bfloat16", new=24, temperature=1.0, stops=()):
+  cfg, params = policy(dtype)
+  recipe = QuantRecipe.uniform(precision)
+  engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=new, temperature=temperature,
+                                                     stop_tokens=stops),
+                         records=records, collect_codes=True, attn_chunk=16)
+  tokens, lengths = pad_prompts(PROMPTS)
+  batch = engine.generate(pack_weights(cfg, params, recipe), tokens, lengths,
+                          jax.random.PRNGKey(7))
+  return cfg, params, recipe, batch
+
+
+def train(cfg, params, recipe, batch, records=None, routes=None):
+  return jax.jit(functools.partial(recompute, cfg, recipe=recipe, collect_codes=True))(
+      params, batch.tokens, batch.valid, records=records, routes=routes)
+
+
+def test_batch_layout():
+  cfg, _, _, b = rollout("mxfp4")
+  p, total = b.prompt_width, b.tokens.shape[1]
+  assert p == 7 and total == 7 + 24
+  np.testing.assert_array_equal(np.asarray(b.valid[:, :p]).sum(1), [len(q) for q in PROMPTS])
+  np.testing.assert_array_equal(np.asarray(b.tokens[1, 5:7]), [12, 13])
+  assert not np.asarray(b.response_mask[:, :p]).any() and np.asarray(b.response_mask[:, p:]).all()
+  assert (np.asarray(b.logp)[:, p:] < 0).all() and (np.asarray(b.logp)[:, :p] == 0).all()
+  # records cover every position the trainer recomputes, for every site of every layer
+  assert set(b.records) == set(range(cfg.n_layers)) and set(b.records[0]) == set(SITES)
+  assert b.records[0]["attn_in"].mant.shape == (4, total - 1, cfg.d_model // 8)
+  assert b.records[1]["moe_mid"].scales.shape == (4, total - 1, cfg.top_k, cfg.d_ff // 32)
+  assert b.records[1]["k"].mant.shape == (4, total - 1, cfg.n_kv_heads, cfg.head_dim // 8)
+  assert b.routes.shape == (cfg.n_layers, 4, total - 1, cfg.top_k) and b.routes.dtype == jnp.uint8
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-4), ("bfloat16", 0.1)])
+def test_without_quantization_decode_matches_the_full_forward(dtype, tol):
+  cfg, params, recipe, b = rollout("bf16", records="none", dtype=dtype)
+  out = train(cfg, params, recipe, b)
+  mask = np.asarray(b.response_mask)
+  diff = np.abs(np.asarray(out.logp) - np.asarray(b.logp))[mask]
+  assert diff.max() < tol, diff.max()
+  if dtype == "float32":  # the greedy decode is the argmax of the teacher-forced logits
+    _, _, _, g = rollout("bf16", records="none", dtype=dtype, temperature=0.0)
+    full = np.asarray(logits(cfg, params, g.tokens))
+    p = g.prompt_width
+    for row in range(len(PROMPTS)):
+      pad = p - len(PROMPTS[row])
+      ref = np.asarray(logits(cfg, params, g.tokens[row:row + 1, pad:]))[0]
+      np.testing.assert_array_equal(np.asarray(g.tokens[row, p:]), ref[p - pad - 1:-1].argmax(-1))
+    assert full.shape[1] == g.tokens.shape[1]
+
+
+@pytest.mark.parametrize("precision", ["mxfp4", "nvfp4"])
+def test_records_for_all_layers_make_recorded_sites_flip_free(precision):
+  cfg, params, recipe, b = rollout(precision)
+  predicts = b.response_mask[:, 1:]
+  plain = train(cfg, params, recipe, b)
+  guided = train(cfg, params, recipe, b, records=b.records, routes=b.routes)
+  f_plain = M.flip_rates(cfg, recipe, b.codes, plain.codes, predicts)
+  f_guided = M.flip_rates(cfg, recipe, b.codes, guided.codes, predicts)
+  assert f_plain["mismatch/flip_rate"] > 0.01
+  assert f_guided["mismatch/flip_rate"] == 0.0
+  assert all(v == 0.0 for v in f_guided.values())
+  kl = lambda o: M.logp_mismatch(b.logp, o.logp, b.response_mask)["mismatch/kl_k3"]
+  assert kl(guided) < 0.1 * kl(plain)
+  # without routing replay the experts may differ, and only the moe_mid records can go stale
+  no_replay = train(cfg, params, recipe, b, records=b.records)
+  f = M.flip_rates(cfg, recipe, b.codes, no_replay.codes, predicts)
+  assert all(v == 0.0 for k, v in f.items() if k.count("/") == 3 and "moe_mid" not in k)
+
+
+def test_routing_replay_uses_the_rollouts_experts():
+  cfg, params, recipe, b = rollout("mxfp4")
+  out = train(cfg, params, recipe, b, routes=b.routes)
+  assert M.route_flip_rate(b.routes, out.routes, b.response_mask[:, 1:]) == 0.0
+  np.testing.assert_array_equal(np.asarray(out.routes), np.asarray(b.routes))
+
+
+@pytest.mark.parametrize("precision,bits", [("mxfp4", 1.25), ("nvfp4", 1.5)])
+def test_record_sizes(precision, bits):
+  cfg, _, _, b = rollout(precision)
+  positions = b.tokens.shape[0] * (b.tokens.shape[1] - 1)
+  per_layer = (2 * cfg.d_model + cfg.q_dim + cfg.top_k * cfg.d_ff + 2 * cfg.kv_dim) * bits / 8
+  if precision == "nvfp4":  # plus a float32 global per row: 3 token rows, k slots, 2 x K heads
+    per_layer += 4 * (3 + cfg.top_k + 2 * cfg.n_kv_heads)
+  assert M.record_bytes_per_token(b.records, positions) == pytest.approx(per_layer * cfg.n_layers)
+  last = {1: b.records[1]}
+  assert M.record_bytes_per_token(last, positions) == pytest.approx(per_layer)
+
+
+def test_records_only_for_the_configured_layers():
+  cfg, _, _, b = rollout("mxfp4", records="last:1")
+  assert set(b.records) == {cfg.n_layers - 1}
+  _, _, _, none = rollout("mxfp4", records="none")
+  assert none.records == {}
+
+
+def test_stop_tokens_and_max_new_tokens():
+  _, _, _, b = rollout("bf16", records="none", temperature=0.0, new=16)
+  greedy = np.asarray(b.tokens)[:, b.prompt_width:]
+  stop = int(greedy[0, 3])  # a token the greedy decode emits: stop there
+  _, _, _, s = rollout("bf16", records="none", temperature=0.0, new=16, stops=(stop,))
+  toks, resp = np.asarray(s.tokens)[:, s.prompt_width:], np.asarray(s.response_mask)[:, s.prompt_width:]
+  for row in range(len(PROMPTS)):
+    hits = np.where(greedy[row] == stop)[0]
+    end = hits[0] + 1 if len(hits) else 16
+    assert resp[row].sum() == end and resp[row, :end].all()
+    np.testing.assert_array_equal(toks[row, :end], greedy[row, :end])
+    assert (toks[row, end:] == 0).all()
+
+
+def test_sampling_temperature_and_top_p():
+  logits_ = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+  keys = jax.random.PRNGKey(0)
+  tok, lp = sample(keys, logits_, 1.0, 0.6)  # keeps the two tokens reaching 0.6 (0.5 + 0.3)
+  counts = np.bincount(np.asarray(tok), minlength=4) / 4000
+  assert counts[2] == counts[3] == 0 and abs(counts[0] - 0.625) < 0.03
+  np.testing.assert_allclose(np.asarray(lp), np.log([0.5, 0.3, 0.15, 0.05])[np.asarray(tok)],
+                             rtol=1e-5)
+  tok, _ = sample(keys, logits_, 0.0, 1.0)
+  assert (np.asarray(tok) == 0).all()
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingConfig(top_p=0.0)
+
+
+def test_bad_prompts():
+  with pytest.raises(ValueError, match="at least one token"):
+    pad_prompts([[1, 2], []])
+  cfg, params = policy()
+  engine = RolloutEngine(cfg, QuantRecipe(), SamplingConfig(max_new_tokens=2))
+  with pytest.raises(ValueError, match=r"\[B, P\].*\(2, 3\).*\(3,\)"):
+    engine.generate(pack_weights(cfg, params, QuantRecipe()), np.ones((2, 3)), np.ones(3),
+                    jax.random.PRNGKey(0))

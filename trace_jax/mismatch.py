@@ -1,0 +1,171 @@
+"""The mismatch probe: how far the trainer's log-probs are from the rollout's, and what TRACE buys.
+
+    python -m trace_jax.mismatch --config=configs/mismatch.py[:variant] [--config.key=value]
+
+For each rollout precision, one rollout batch (records for every layer, every site's codes kept
+for diagnostics), then the training path's recomputation for each guidance (which layers' records
+it uses) and routing replay setting. Prints one JSON object per line, then a table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app
+from ml_collections import config_flags
+
+from trace_jax.models import QuantRecipe, init_params, load_hf, pack_weights, parse_layers, preset
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.recipe import PRECISIONS
+from trace_jax.rl import metrics as M
+from trace_jax.rl.recompute import recompute
+from trace_jax.rl.rollout import RolloutEngine, SamplingConfig, pad_prompts
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/mismatch.py", "probe config file")
+
+
+def _choices(spec: str, allowed, what: str) -> list[str]:
+  items = [s.strip() for s in spec.split(",") if s.strip()]
+  bad = [s for s in items if allowed is not None and s not in allowed]
+  if bad or not items:
+    raise ValueError(f"{what}={spec!r}: choose from {list(allowed)}")
+  return items
+
+
+def load_policy(c: ml_collections.ConfigDict) -> tuple[ModelConfig, dict]:
+  if c.hf_path:
+    return load_hf(c.hf_path, dtype="bfloat16")
+  cfg = preset(c.model, init_scale=c.init_scale)
+  return cfg, init_params(cfg, jax.random.PRNGKey(c.init_seed))
+
+
+def random_prompts(cfg: ModelConfig, c, rng: np.random.Generator) -> list[list[int]]:
+  if not 1 <= c.prompt_len_min <= c.prompt_len_max:
+    raise ValueError(f"need 1 <= prompt_len_min ({c.prompt_len_min}) <= prompt_len_max "
+                     f"({c.prompt_len_max})")
+  lens = rng.integers(c.prompt_len_min, c.prompt_len_max + 1, c.batch)
+  return [rng.integers(1, cfg.vocab_size, n).tolist() for n in lens]
+
+
+def probe_precision(cfg, params, precision: str, prompts, c) -> list[dict]:
+  """One rollout at `precision`, then every (guidance, replay) recomputation of it."""
+  recipe = QuantRecipe.uniform(precision)
+  sampling = SamplingConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                            top_p=c.top_p)
+  engine = RolloutEngine(cfg, recipe, sampling, records="all", collect_codes=True,
+                         attn_chunk=c.attn_chunk)
+  weights = pack_weights(cfg, params, recipe)
+  tokens, lengths = pad_prompts(prompts)
+  key = jax.random.PRNGKey(c.seed)
+  jax.block_until_ready(engine.generate(weights, tokens, lengths, key).tokens)  # compile
+  start = time.perf_counter()
+  batch = engine.generate(weights, tokens, lengths, key)
+  jax.block_until_ready(batch.tokens)
+  rollout_s = time.perf_counter() - start
+  n_new = int(jnp.sum(batch.response_mask))
+
+  train = jax.jit(functools.partial(recompute, cfg, recipe=recipe, temperature=c.temperature,
+                                    collect_codes=True))
+  predicts_response = batch.response_mask[:, 1:]  # positions whose outputs score a response
+  fed = batch.tokens.shape[0] * (batch.tokens.shape[1] - 1)
+  guidances = _choices(c.guidance, None, "guidance") if recipe.recorded_sites(0, 1) else ["none"]
+  rows = []
+  for guidance in guidances:
+    layers = parse_layers(guidance, cfg.n_layers, what="guidance")
+    records = {i: batch.records[i] for i in layers}
+    for replay in _choices(c.routing_replay, ("off", "on"), "routing_replay"):
+      routes = batch.routes if replay == "on" else None
+      out = train(params, batch.tokens, batch.valid, records=records, routes=routes)
+      row = {"rollout_quant": precision, "records": guidance, "routing_replay": replay == "on"}
+      row.update(M.logp_mismatch(batch.logp, out.logp, batch.response_mask,
+                                 prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
+      if batch.codes:
+        row.update(M.flip_rates(cfg, recipe, batch.codes, out.codes, predicts_response))
+      row["mismatch/route_flip_rate"] = M.route_flip_rate(batch.routes, out.routes,
+                                                          predicts_response)
+      row["record/bytes_per_token"] = M.record_bytes_per_token(records, fed)
+      row["rollout/tokens_per_s"] = n_new / rollout_s
+      row["rollout/response_tokens"] = n_new
+      rows.append(row)
+  return rows
+
+
+def run(c: ml_collections.ConfigDict, log=print) -> list[dict]:
+  precisions = _choices(c.precisions, PRECISIONS, "precisions")
+  for g in _choices(c.guidance, None, "guidance"):
+    parse_layers(g, 10**6, what="guidance")  # malformed specs fail before any work
+  cfg, params = load_policy(c)
+  prompts = random_prompts(cfg, c, np.random.default_rng(c.seed))
+  rows = []
+  for precision in precisions:
+    start = time.perf_counter()
+    new = probe_precision(cfg, params, precision, prompts, c)
+    log(f"# {precision}: {len(new)} settings in {time.perf_counter() - start:.0f}s")
+    for row in new:
+      log(json.dumps(row))
+    rows += new
+  return rows
+
+
+TABLE = [
+    ("rollout_quant", "rollout", "{}"), ("records", "records", "{}"),
+    ("routing_replay", "replay", "{}"), ("mismatch/kl_k3", "KL k3", "{:.2e}"),
+    ("mismatch/logp_abs_diff_mean", "|dlogp| mean", "{:.2e}"),
+    ("mismatch/prob_abs_diff_max", "|dp| max", "{:.3f}"),
+    ("mismatch/flip_rate", "flip rate", "{:.4f}"), ("recorded_flip_rate", "flips@recorded", "{:.4f}"),
+    ("mismatch/route_flip_rate", "route flips", "{:.4f}"),
+    ("record/bytes_per_token", "record B/token", "{:.0f}"),
+    ("kl_first_last", "KL first->last bucket", "{}"),
+]
+
+
+def recorded_flip_rate(row: dict, n_layers: int) -> float | None:
+  """Mean flip rate over the sites of the layers that had records (None without records)."""
+  layers = parse_layers(row["records"], n_layers)
+  rates = [v for k, v in row.items()
+           if k.startswith("mismatch/flip_rate/") and int(k.rsplit("_", 1)[1]) in layers]
+  return float(np.mean(rates)) if rates else None
+
+
+def table(rows: list[dict], n_layers: int) -> str:
+  def cell(row, key, fmt):
+    if key == "recorded_flip_rate":
+      v = recorded_flip_rate(row, n_layers)
+    elif key == "kl_first_last":
+      b = [x for x in row["mismatch/kl_k3_by_position"] if x is not None]
+      v = f"{b[0]:.1e} -> {b[-1]:.1e}" if b else None
+      fmt = "{}"
+    else:
+      v = row.get(key)
+    return "-" if v is None else fmt.format(v)
+
+  head = [t[1] for t in TABLE]
+  body = [[cell(r, k, f) for k, _, f in TABLE] for r in rows]
+  widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+  fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+  return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body])
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  start = time.perf_counter()
+  rows = run(c)
+  if c.output:
+    with open(c.output, "w") as fh:
+      for row in rows:
+        fh.write(json.dumps(row) + "\n")
+  n_layers = load_policy(c)[0].n_layers if c.hf_path else preset(c.model).n_layers
+  print(table(rows, n_layers))
+  print(f"# {len(rows)} settings, {time.perf_counter() - start:.0f}s, jax {jax.__version__} on "
+        f"{jax.default_backend()}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,94 @@
+"""One device mesh with named axes, and the logical-axis rules of the two programs.
+
+The mesh has a `data` axis and an `expert` axis. Arrays are described by logical axes (`batch`,
+`experts`, ...) and each program maps them to mesh axes with its own rules:
+
+- rollout: sequences (and their KV cache and records) split over `data`; expert weights split
+  over `expert`, so a decode step reads each expert's bytes on one device only;
+- training: sequences split over every device (`data` x `expert`); expert weights over `expert`.
+
+Everything else is replicated. The same jitted programs run on one device or many: only the
+placement of their inputs changes (`place`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "expert")
+Rules = dict[str, str | tuple[str, ...] | None]
+
+ROLLOUT_RULES: Rules = {"batch": "data", "experts": "expert"}
+TRAIN_RULES: Rules = {"batch": ("data", "expert"), "experts": "expert"}
+
+_EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def make_mesh(data: int | None = None, expert: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, expert) mesh over `devices` (default: all); data defaults to what is left."""
+  devices = list(jax.devices() if devices is None else devices)
+  if data is None:
+    data = len(devices) // expert
+  if data * expert != len(devices):
+    raise ValueError(f"mesh data={data} x expert={expert} needs {data * expert} devices, "
+                     f"have {len(devices)}")
+  return Mesh(np.asarray(devices).reshape(data, expert), AXES)
+
+
+def spec(logical: Sequence[str | None], rules: Rules) -> P:
+  """Logical axis names -> PartitionSpec under `rules` (unknown names replicate)."""
+  return P(*(rules.get(a) if a else None for a in logical))
+
+
+def _axis_size(mesh: Mesh, axes) -> int:
+  axes = (axes,) if isinstance(axes, str) else (axes or ())
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _path_names(path) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def param_logical_axes(path, leaf) -> tuple[str | None, ...]:
+  """Logical axes of a param or rollout-weight leaf: expert stacks lead with `experts`."""
+  names = _path_names(path)
+  if any(n in _EXPERT_WEIGHTS for n in names) and leaf.ndim == 3:
+    return ("experts", None, None)
+  return (None,) * leaf.ndim
+
+
+def param_shardings(tree, mesh: Mesh, rules: Rules):
+  def one(path, leaf):
+    logical = param_logical_axes(path, leaf)
+    axis = rules.get("experts")
+    if logical[0] == "experts" and leaf.shape[0] % _axis_size(mesh, axis):
+      raise ValueError(f"{'/'.join(_path_names(path))}: {leaf.shape[0]} experts do not split "
+                       f"over mesh axis {axis!r} of size {_axis_size(mesh, axis)}")
+    return NamedSharding(mesh, spec(logical, rules))
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def batch_shardings(tree, mesh: Mesh, rules: Rules, batch_axis: int = 0):
+  """Shardings that split every leaf along `batch_axis` (leaves of lower rank replicate)."""
+  axes = rules.get("batch")
+  size = _axis_size(mesh, axes)
+
+  def one(leaf):
+    if leaf.ndim <= batch_axis:
+      return NamedSharding(mesh, P())
+    if leaf.shape[batch_axis] % size:
+      raise ValueError(f"batch of {leaf.shape[batch_axis]} does not split over mesh axes {axes} "
+                       f"of size {size}")
+    logical = [None] * leaf.ndim
+    logical[batch_axis] = "batch"
+    return NamedSharding(mesh, spec(logical, rules))
+  return jax.tree.map(one, tree)
+
+
+def place(tree, shardings):
+  return jax.device_put(tree, shardings)
