@@ -86,7 +86,8 @@ def probe_precision(cfg, params, precision: str, prompts, c) -> list[dict]:
       row.update(M.logp_mismatch(batch.logp, out.logp, batch.response_mask,
                                  prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
       if batch.codes:
-        row.update(M.flip_rates(cfg, recipe, batch.codes, out.codes, predicts_response))
+        row.update(M.flip_rates(cfg, recipe, batch.codes, out.codes, predicts_response,
+                                prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
       row["mismatch/route_flip_rate"] = M.route_flip_rate(batch.routes, out.routes,
                                                           predicts_response)
       row["record/bytes_per_token"] = M.record_bytes_per_token(records, fed)

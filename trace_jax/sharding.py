@@ -51,7 +51,7 @@ def _axis_size(mesh: Mesh, axes) -> int:
 
 
 def _path_names(path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
 def param_logical_axes(path, leaf) -> tuple[str | None, ...]:

@@ -102,8 +102,12 @@ def moe(cfg: ModelConfig, p: Params, x_BxTxD, idx_BxTxk, gates_BxTxk, path: Path
   mid = path.act(dispatch.unsort(mid).reshape(b, t, k, cfg.d_ff), i, "moe_mid")
   ys = path.experts(dispatch.sort_slots(mid.reshape(b * t * k, cfg.d_ff)), p["w_down"],
                     dispatch.group_sizes, i, "w_down")
-  y = dispatch.unsort(ys).reshape(b, t, k, d)
-  return jnp.sum(y * gates_BxTxk[..., None].astype(y.dtype), axis=2)
+  y = dispatch.unsort(ys).reshape(b, t, k, d).astype(jnp.float32) * gates_BxTxk[..., None]
+  # slot by slot in float32: a fixed order of adds, whatever batch or sharding XLA sees
+  out = y[:, :, 0]
+  for j in range(1, k):
+    out = out + y[:, :, j]
+  return out.astype(x_BxTxD.dtype)
 
 
 def forward(cfg: ModelConfig, weights: Params, tokens_BxT: jax.Array, pos_BxT: jax.Array,

@@ -40,24 +40,34 @@ def logp_mismatch(logp_rollout_BxL, logp_train_BxL, mask_BxL, *, prompt_width: i
 
 def kl_by_position(k3_BxL, mask_BxL, prompt_width: int, n_buckets: int) -> list[float | None]:
   """Mean k3 in `n_buckets` equal buckets of response position (None where a bucket is empty)."""
-  k3, mask = np.asarray(k3_BxL), np.asarray(mask_BxL)
-  n_resp = k3.shape[1] - prompt_width
+  return by_position(k3_BxL, np.ones_like(k3_BxL), mask_BxL, prompt_width, n_buckets)
+
+
+def by_position(num_BxL, den_BxL, mask_BxL, prompt_width: int, n_buckets: int):
+  """sum(num) / sum(den) over masked tokens in equal buckets of response position."""
+  num, den, mask = np.asarray(num_BxL), np.asarray(den_BxL), np.asarray(mask_BxL)
+  n_resp = num.shape[1] - prompt_width
   edges = np.linspace(0, n_resp, n_buckets + 1).round().astype(int) + prompt_width
   out = []
   for lo, hi in zip(edges[:-1], edges[1:]):
     m = mask[:, lo:hi]
-    out.append(float(k3[:, lo:hi][m].mean()) if m.any() else None)
+    d = den[:, lo:hi][m].sum()
+    out.append(float(num[:, lo:hi][m].sum() / d) if m.any() and d > 0 else None)
   return out
 
 
 def flip_rates(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes_train: dict,
-               mask_BxT: jax.Array) -> dict[str, float]:
+               mask_BxT: jax.Array, *, prompt_width: int | None = None,
+               n_buckets: int = 8) -> dict[str, float | list]:
   """Fraction of quantized elements whose code differs, overall and per site and layer.
 
   codes are {layer: {site: uint8 [B, T, ...]}}; -0 and +0 count as one code; only positions
-  in mask_BxT count (those that predict response tokens).
+  in mask_BxT count (those that predict response tokens). With `prompt_width`, also the overall
+  rate in buckets of the response position each position predicts.
   """
   out, n_flip, n_all = {}, 0.0, 0.0
+  flips_BxT = jnp.zeros(mask_BxT.shape)
+  elems_BxT = jnp.zeros(mask_BxT.shape)
   for layer in sorted(codes_rollout):
     for site, c_r in codes_rollout[layer].items():
       c_t = codes_train[layer][site]
@@ -69,7 +79,13 @@ def flip_rates(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes
       total = float(jnp.sum(m) * diff.shape[-1])
       out[f"mismatch/flip_rate/{site}/layer_{layer}"] = flips / max(total, 1.0)
       n_flip, n_all = n_flip + flips, n_all + total
+      flips_BxT = flips_BxT + jnp.sum(diff, axis=-1)
+      elems_BxT = elems_BxT + diff.shape[-1]
   out["mismatch/flip_rate"] = n_flip / max(n_all, 1.0)
+  if prompt_width is not None:  # position t predicts token t + 1: shift onto token positions
+    shift = lambda a: jnp.pad(a, ((0, 0), (1, 0)))
+    out["mismatch/flip_rate_by_position"] = by_position(
+        shift(flips_BxT), shift(elems_BxT), shift(mask_BxT), prompt_width, n_buckets)
   return out
 
 
