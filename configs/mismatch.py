@@ -1,6 +1,6 @@
 """The mismatch probe: rollout vs training-path log-probs per precision, guidance and replay.
 
-  python -m trace_jax.mismatch --config=configs/mismatch.py           # small model, ~6 min, 2 CPUs
+  python -m trace_jax.mismatch --config=configs/mismatch.py           # small model, ~2-3 min on 2 CPUs
   python -m trace_jax.mismatch --config=configs/mismatch.py:quick     # tiny model, under a minute
   python -m trace_jax.mismatch --config=configs/mismatch.py:hf_path=/path/to/Qwen3-MoE-dir
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import app
+from absl import app, logging
 from ml_collections import config_flags
 
 from trace_jax.models import QuantRecipe, init_params, load_hf, pack_weights, parse_layers, preset
@@ -155,6 +155,7 @@ def table(rows: list[dict], n_layers: int) -> str:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # absl would log every backend JAX probes for
   c = _CONFIG.value
   start = time.perf_counter()
   rows = run(c)
