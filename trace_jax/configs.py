@@ -27,6 +27,12 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
 
 
 def _set(config, key: str, value) -> None:
+  *parents, leaf = key.split(".")
+  for p in parents:  # dotted keys reach into nested ConfigDicts
+    if p not in config or not isinstance(config[p], ml_collections.ConfigDict):
+      raise ValueError(f"unknown config key {key!r}; top-level keys: {sorted(config.keys())}")
+    config = config[p]
+  key = leaf
   if key not in config:
     raise ValueError(f"unknown config key {key!r}; keys: {sorted(config.keys())}")
   old = config[key]

@@ -66,7 +66,7 @@ def param_shardings(tree, mesh: Mesh, rules: Rules):
   def one(path, leaf):
     logical = param_logical_axes(path, leaf)
     axis = rules.get("experts")
-    if logical[0] == "experts" and leaf.shape[0] % _axis_size(mesh, axis):
+    if logical[:1] == ("experts",) and leaf.shape[0] % _axis_size(mesh, axis):
       raise ValueError(f"{'/'.join(_path_names(path))}: {leaf.shape[0]} experts do not split "
                        f"over mesh axis {axis!r} of size {_axis_size(mesh, axis)}")
     return NamedSharding(mesh, spec(logical, rules))

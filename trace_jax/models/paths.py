@@ -49,11 +49,13 @@ class TrainPath:
 
   def __init__(self, cfg: ModelConfig, valid_BxT: jax.Array, recipe: QuantRecipe = QuantRecipe(),
                records: Records | None = None, routes_LxBxTxk: jax.Array | None = None,
-               collect_codes: bool = False):
+               collect_codes: bool = False, code_recipe: QuantRecipe | None = None):
     self.cfg, self.recipe, self.valid = cfg, recipe, valid_BxT
     self.records = records or {}
     self.routes = routes_LxBxTxk
     self.collect_codes = collect_codes
+    # the formats whose codes the diagnostics compare (the rollout's, also for a bf16 trainer)
+    self.code_recipe = code_recipe or recipe
     self.codes: dict[int, dict[str, jax.Array]] = {}
 
   def weight(self, w: jax.Array, layer: int, name: str) -> jax.Array:
@@ -70,18 +72,24 @@ class TrainPath:
 
   def act(self, x, layer, site):
     fmt = self.recipe.site_format(site, layer, self.cfg.n_layers)
+    rec = self.records.get(layer, {}).get(site) if fmt is not BF16 else None
+    if self.collect_codes:
+      self._collect(x, layer, site, fmt, rec)
     if fmt is BF16:
       return x
-    rec = self.records.get(layer, {}).get(site)
     if rec is not None:  # the rollout's codes, recovered: DESIGN section 5
-      y = quant.guided_quant(x, rec, fmt)
+      return quant.guided_quant(x, rec, fmt).astype(x.dtype)
+    return quant.fake_quant(x, fmt).astype(x.dtype)
+
+  def _collect(self, x, layer, site, fmt, rec):
+    code_fmt = self.code_recipe.site_format(site, layer, self.cfg.n_layers)
+    if code_fmt is BF16:
+      return
+    if rec is not None and code_fmt == fmt:
+      codes = quant.guided_codes(x, rec, fmt)
     else:
-      y = quant.fake_quant(x, fmt)
-    if self.collect_codes:
-      codes = (quant.guided_codes(x, rec, fmt) if rec is not None
-               else quant.element_codes(quant.quantize(x, fmt)))
-      _emit(self.codes, layer, site, jax.lax.stop_gradient(codes))
-    return y.astype(x.dtype)
+      codes = quant.element_codes(quant.quantize(x, code_fmt))
+    _emit(self.codes, layer, site, jax.lax.stop_gradient(codes))
 
   def attention(self, q, k, v, layer):
     k = self.act(k, layer, "k")

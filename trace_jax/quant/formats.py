@@ -129,7 +129,9 @@ class BlockFormat(Format):
   def guided(self, x_NxB, mant_NxB, scales_N, global_1):
     codes, y = self.guided_codes(x_NxB, mant_NxB, scales_N, global_1)
     values = self.from_grid(self.codec.decode(codes), scales_N, global_1)
-    values = jnp.where(jnp.isfinite(y), values, _NAN)  # non-finite never comes back finite
+    # non-finite input never comes back finite; a finite x far beyond a tiny recorded scale
+    # (y overflowing to +-inf) saturates like any other out-of-range value
+    values = jnp.where(jnp.isfinite(x_NxB), values, _NAN)
     return values, jnp.abs(y) <= self.codec.max_value
 
 

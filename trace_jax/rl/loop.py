@@ -1,0 +1,304 @@
+"""The RL run: a supervised warm start, then GRPO with the mode's rollout and trainer.
+
+`train(config, workdir)` is the whole run; it resumes from the newest checkpoint in `workdir`.
+Every step writes a row of DESIGN section 7 metrics; a step's data and sampling key are functions
+of the step number, so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from trace_jax import sharding as S
+from trace_jax.data.pipeline import left_pad, record_batches, supervised_batch
+from trace_jax.data.tokenizer import CharTokenizer, load_tokenizer_json
+from trace_jax.models import ModelConfig, init_params, pack_weights
+from trace_jax.rl import grpo
+from trace_jax.rl import metrics as M
+from trace_jax.rl.checkpoint import Checkpointer
+from trace_jax.rl.recompute import recompute
+from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
+from trace_jax.rl.trainer import RLOptions, Trainer, make_optimizer, mode_setup
+from trace_jax.rl.validate import make_task, validate
+from trace_jax.rl.writer import MetricsWriter
+
+
+class Run:
+  """Everything a step needs, built once from the config."""
+
+  def __init__(self, c: ml_collections.ConfigDict, workdir: str, tokenizer):
+    self.c, self.workdir, self.tok = c, workdir, tokenizer
+    self.task = make_task(c.task)
+    self.sources = self.task.prepare(c.data_dir or None)
+    self.cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **c.model)
+    self.setup = mode_setup(c.rl.mode, c.rl.fp4, c.rl.trace_layers)
+    options = RLOptions(clip_eps=c.rl.clip_eps, correction=c.rl.correction,
+                        correction_cap=c.rl.correction_cap, kl_coef=c.rl.kl_coef,
+                        aux_coef=c.rl.aux_coef, minibatches=c.rl.minibatches,
+                        routing_replay=c.rl.routing_replay, temperature=c.rl.temperature)
+    optimizer = make_optimizer(c.sft.lr, c.rl.lr, c.sft.steps, max_grad_norm=c.optim.max_grad_norm,
+                               weight_decay=c.optim.weight_decay, b2=c.optim.b2)
+    self.trainer = Trainer(self.cfg, self.setup, optimizer, options)
+    sampling = SamplingConfig(max_new_tokens=c.rl.max_new_tokens, temperature=c.rl.temperature,
+                              top_p=c.rl.top_p, stop_tokens=(tokenizer.eos_id,),
+                              pad_id=tokenizer.pad_id)
+    engine = functools.partial(RolloutEngine, self.cfg, self.setup.rollout)
+    self.engine = engine(sampling, records=self.setup.records)
+    self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
+    self.eval_engine = engine(SamplingConfig(max_new_tokens=c.rl.max_new_tokens, temperature=0.0,
+                                             stop_tokens=(tokenizer.eos_id,),
+                                             pad_id=tokenizer.pad_id))
+    self.sync = jax.jit(functools.partial(pack_weights, self.cfg, recipe=self.setup.rollout))
+    self.codes = jax.jit(functools.partial(
+        recompute, self.cfg, recipe=self.setup.train, temperature=c.rl.temperature,
+        collect_codes=True, code_recipe=self.setup.rollout))
+    self.mesh = S.make_mesh(c.mesh.data or None, c.mesh.expert)
+    self.sft_batches = record_batches(self.sources["train"], c.sft.batch_size, c.seed)
+    self.rl_batches = record_batches(self.sources["train"], c.rl.prompts_per_step, c.seed + 1)
+    n_eval = min(c.eval.size, len(self.sources["eval"]))
+    self.eval_records = [self.sources["eval"][i] for i in range(n_eval)]
+
+  # -- placement ---------------------------------------------------------------------------
+
+  def place_state(self, state):
+    return S.place(state, S.param_shardings(state, self.mesh, S.TRAIN_RULES))
+
+  def place_batch(self, batch, rules):
+    routes = batch.pop("routes", None)
+    placed = S.place(batch, S.batch_shardings(batch, self.mesh, rules))
+    if routes is not None:
+      placed["routes"] = S.place(routes, S.batch_shardings(routes, self.mesh, rules, 1))
+    return placed
+
+  def rollout_weights(self, params):
+    weights = self.sync(params)
+    return S.place(weights, S.param_shardings(weights, self.mesh, S.ROLLOUT_RULES))
+
+  def prompts(self, texts):
+    tokens, lengths = left_pad([self.tok.encode(t) for t in texts], self.c.max_prompt_len,
+                               self.tok.pad_id)
+    return self.place_batch({"tokens": tokens, "lengths": lengths}, S.ROLLOUT_RULES)
+
+  # -- steps -------------------------------------------------------------------------------
+
+  def sft_step(self, state, step):
+    records = self.sft_batches[step]
+    batch = supervised_batch(self.tok, [self.task.prompt(r) for r in records],
+                             [self.task.target(r) for r in records], self.c.max_prompt_len,
+                             self.c.rl.max_new_tokens)
+    state, metrics = self.trainer.sft_step(state, self.place_batch(batch, S.TRAIN_RULES))
+    return state, {k: float(v) for k, v in metrics.items()}
+
+  def completions(self, batch):
+    return [self.tok.decode(row) for row in np.asarray(batch.tokens[:, batch.prompt_width:])]
+
+  def rl_step(self, state, step):
+    c, g = self.c, self.c.rl.group_size
+    records = self.rl_batches[step - c.sft.steps]
+    prompts = self.prompts([self.task.prompt(r) for r in records for _ in range(g)])
+    diag = c.log.flip_rate_every and (step - c.sft.steps) % c.log.flip_rate_every == 0
+    engine = self.diag_engine if diag else self.engine
+    start = time.perf_counter()
+    weights = self.rollout_weights(state["params"])
+    batch = engine.generate(weights, prompts["tokens"], prompts["lengths"],
+                            jax.random.fold_in(state["key"], step))
+    jax.block_until_ready(batch.tokens)
+    rollout_s = time.perf_counter() - start
+    rewards = np.array([self.task.reward(r, text) for r, text in
+                        zip((r for r in records for _ in range(g)), self.completions(batch))],
+                       np.float32)
+    adv = grpo.group_advantages(jnp.asarray(rewards), g)
+    train_batch = self.place_batch(
+        {"tokens": batch.tokens, "valid": batch.valid, "response_mask": batch.response_mask,
+         "logp": batch.logp, "advantages": adv, "records": batch.records,
+         "routes": batch.routes}, S.TRAIN_RULES)
+    start = time.perf_counter()
+    state, metrics, old = self.trainer.rl_step(state, train_batch)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    train_s = time.perf_counter() - start
+    predicts = batch.response_mask[:, 1:]
+    n_resp = int(jnp.sum(batch.response_mask))
+    metrics.update({
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "rollout/tokens_per_s": n_resp / rollout_s, "rollout/response_tokens": n_resp,
+        "time/rollout_s": rollout_s, "time/train_s": train_s,
+        "record/bytes_per_token": M.record_bytes_per_token(
+            batch.records, batch.tokens.shape[0] * (batch.tokens.shape[1] - 1)),
+        "mismatch/route_flip_rate": M.route_flip_rate(batch.routes, old["routes"], predicts),
+    })
+    metrics.update(M.logp_mismatch(batch.logp, old["logp"], batch.response_mask,
+                                   prompt_width=batch.prompt_width, n_buckets=4))
+    if diag and batch.codes:
+      records = {i: batch.records[i] for i in self.trainer.record_layers}
+      routes = batch.routes if c.rl.routing_replay else None
+      out = self.codes(state["params"], batch.tokens, batch.valid, records=records, routes=routes)
+      metrics.update(M.flip_rates(self.cfg, self.setup.rollout, batch.codes, out.codes, predicts))
+    return state, metrics
+
+  def evaluate(self, params) -> dict:
+    """Greedy accuracy of the policy as the rollout engine runs it (FP4 in the FP4 modes)."""
+    weights = self.rollout_weights(params)
+    size = self.c.eval.batch_size
+    scores = []
+    for i in range(0, len(self.eval_records), size):
+      chunk = self.eval_records[i:i + size]
+      padded = chunk + chunk[:1] * (size - len(chunk))  # one compiled shape
+      prompts = self.prompts([self.task.prompt(r) for r in padded])
+      batch = self.eval_engine.generate(weights, prompts["tokens"], prompts["lengths"],
+                                        jax.random.PRNGKey(0))
+      texts = self.completions(batch)[:len(chunk)]
+      scores += [self.task.reward(r, t) for r, t in zip(chunk, texts)]
+    return {"eval/accuracy": float(np.mean([s >= 1.0 for s in scores])),
+            "eval/reward": float(np.mean(scores))}
+
+
+def _config_json(c) -> dict:
+  return json.loads(c.to_json())
+
+
+class _Preempted(Exception):
+  pass
+
+
+def _raise_preempted(signum, frame):
+  raise _Preempted(f"signal {signum}")
+
+
+def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
+          log=print) -> dict:
+  """Runs (or resumes) the whole run; returns the summary it prints."""
+  validate(c)
+  os.makedirs(workdir, exist_ok=True)
+  ckpt = Checkpointer(workdir, c.checkpoint.keep)
+  start = ckpt.latest_step() or 0
+  if start:
+    meta = ckpt.meta(start)
+    _check_same_config(meta["config"], _config_json(c), workdir)
+    tokenizer = load_tokenizer_json(meta["tokenizer"])
+  else:
+    tokenizer = CharTokenizer(make_task(c.task).alphabet())
+  run = Run(c, workdir, tokenizer)
+  tokenizer.save(workdir)
+  with open(os.path.join(workdir, "config.json"), "w") as fh:
+    json.dump(_config_json(c), fh, indent=2)
+
+  init_key, key = jax.random.split(jax.random.PRNGKey(c.seed))
+  state = run.trainer.init_state(init_params(run.cfg, init_key))
+  state["key"] = key
+  if start:
+    state, _ = ckpt.restore(start, state)
+    log(f"resumed from step {start} in {ckpt.directory}")
+  state = run.place_state(state)
+  writer = MetricsWriter(workdir, start, tensorboard=c.log.tensorboard)
+  total = c.sft.steps + c.rl.steps
+
+  def save(done):
+    meta = {"step": done, "data_position": done, "tokenizer": tokenizer.to_json(),
+            "config": _config_json(c)}
+    ckpt.save(done, state, meta)
+
+  previous = signal.signal(signal.SIGTERM, _raise_preempted)
+  bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
+             desc=f"{c.rl.mode}", dynamic_ncols=True)
+  step = start
+  try:
+    for step in bar:
+      phase = "sft" if step < c.sft.steps else "rl"
+      state, metrics = (run.sft_step if phase == "sft" else run.rl_step)(state, step)
+      metrics["phase"] = phase
+      if (step + 1) % c.eval.every == 0 or step + 1 in (c.sft.steps, total):
+        metrics.update(run.evaluate(state["params"]))
+      if not np.isfinite(metrics["train/loss"]):
+        last = ckpt.latest_step()
+        raise FloatingPointError(
+            f"train/loss is {metrics['train/loss']} at step {step} ({phase}, mode {c.rl.mode}); "
+            f"stopping. The last good checkpoint is step {last} in {ckpt.directory}; lower the "
+            f"learning rate or raise optim.max_grad_norm's strictness before resuming.")
+      writer.write(step, metrics)
+      bar.set_postfix(_postfix(metrics), refresh=False)
+      if (step + 1) % c.checkpoint.every == 0 or step + 1 == total:
+        save(step + 1)
+  except (KeyboardInterrupt, _Preempted):
+    done = step  # the step in flight did not finish
+    try:
+      if done > (ckpt.latest_step() or 0):
+        save(done)
+    except (RuntimeError, ValueError):  # the step in flight had taken (donated) the state
+      done = ckpt.latest_step() or 0
+    log(f"interrupted: the newest checkpoint is step {done} in {ckpt.directory}; rerun the "
+        "same command to resume")
+    raise
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    bar.close()
+    writer.close()
+    ckpt.close()
+  summary = summarize(workdir, c)
+  log(format_summary(summary))
+  return summary
+
+
+def _postfix(m: dict) -> dict:
+  keys = {"reward/mean": "reward", "train/loss": "loss", "mismatch/kl_k3": "kl",
+          "eval/accuracy": "eval"}
+  return {short: f"{m[k]:.3g}" for k, short in keys.items() if k in m}
+
+
+def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
+  def flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+      out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+  a, b = flat(saved), flat(now)
+  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+  if diff:
+    raise ValueError(f"{workdir} holds a run with a different config (keys {diff}); resume with "
+                     "the same config or use a new --workdir")
+
+
+def summarize(workdir: str, c) -> dict:
+  from trace_jax.rl.writer import read_metrics
+
+  rows = read_metrics(workdir)
+  rl = [r for r in rows if r.get("phase") == "rl"]
+  evals = [r for r in rows if r.get("eval/accuracy") is not None]
+  mean = lambda rs, k: float(np.mean([r[k] for r in rs if r.get(k) is not None])) if any(
+      r.get(k) is not None for r in rs) else None
+  n = max(1, min(10, len(rl) // 4))
+  before = next((r for r in evals if r["step"] == c.sft.steps - 1), evals[0] if evals else {})
+  return {
+      "mode": c.rl.mode, "steps": len(rows),
+      "reward_first": mean(rl[:n], "reward/mean"), "reward_last": mean(rl[-n:], "reward/mean"),
+      "eval_accuracy_before_rl": before.get("eval/accuracy"),
+      "eval_accuracy_after": evals[-1]["eval/accuracy"] if evals else None,
+      "mismatch_kl_k3": mean(rl, "mismatch/kl_k3"),
+      "flip_rate": mean(rl, "mismatch/flip_rate"),
+      "rollout_tokens_per_s": mean(rl, "rollout/tokens_per_s"),
+      "record_bytes_per_token": mean(rl, "record/bytes_per_token"),
+  }
+
+
+def format_summary(s: dict) -> str:
+  f = lambda v, fmt: "n/a" if v is None else fmt.format(v)
+  return "\n".join([
+      f"summary ({s['mode']}, {s['steps']} steps)",
+      f"  reward (train, first -> last RL steps): {f(s['reward_first'], '{:.3f}')} -> "
+      f"{f(s['reward_last'], '{:.3f}')}",
+      f"  eval accuracy (rollout precision, greedy): {f(s['eval_accuracy_before_rl'], '{:.3f}')}"
+      f" after the warm start -> {f(s['eval_accuracy_after'], '{:.3f}')}",
+      f"  mismatch KL (k3, mean over RL steps): {f(s['mismatch_kl_k3'], '{:.2e}')}",
+      f"  flip rate (mean of diagnostic steps): {f(s['flip_rate'], '{:.4f}')}",
+      f"  rollout tokens/s: {f(s['rollout_tokens_per_s'], '{:.0f}')}   "
+      f"record bytes/token: {f(s['record_bytes_per_token'], '{:.0f}')}",
+  ])

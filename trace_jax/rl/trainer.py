@@ -1,0 +1,169 @@
+"""The trainer: the ablation's modes, the optimizer, the warm-start step and the GRPO step.
+
+Each step is one jitted program with its state donated. The GRPO step recomputes the rollout
+batch with the trainer's numerics (for the PPO ratio, the rollout correction and the mismatch
+metrics), then takes one optimizer step per minibatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.recipe import QuantRecipe, parse_layers
+from trace_jax.rl import grpo
+from trace_jax.rl.recompute import recompute
+
+MODES = ("bf16", "fp4_rollout", "fp4_qat", "trace", "trace_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeSetup:
+  """What a mode means: the rollout's recipe, the trainer's recipe, the recorded layers."""
+
+  rollout: QuantRecipe
+  train: QuantRecipe
+  records: str | tuple[int, ...]
+
+
+def mode_setup(mode: str, fp4: str = "mxfp4", trace_layers: str = "last:2") -> ModeSetup:
+  """bf16: no quantization; fp4_rollout: FP4 rollout, bf16 trainer; fp4_qat: FP4 rollout,
+  unguided FP4 QAT; trace: QAT guided by records of `trace_layers`; trace_all: every layer."""
+  if mode not in MODES:
+    raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+  bf16, q = QuantRecipe(), QuantRecipe.uniform(fp4)
+  return {
+      "bf16": ModeSetup(bf16, bf16, "none"),
+      "fp4_rollout": ModeSetup(q, bf16, "none"),
+      "fp4_qat": ModeSetup(q, q, "none"),
+      "trace": ModeSetup(q, q, trace_layers),
+      "trace_all": ModeSetup(q, q, "all"),
+  }[mode]
+
+
+def make_optimizer(lr_sft: float, lr_rl: float, sft_steps: int, *, max_grad_norm: float = 1.0,
+                   weight_decay: float = 0.0, b2: float = 0.99) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping; the warm start and RL have their own learning rates."""
+  schedule = optax.join_schedules([optax.constant_schedule(lr_sft),
+                                   optax.constant_schedule(lr_rl)], [sft_steps])
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                     optax.adamw(schedule, b2=b2, weight_decay=weight_decay))
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOptions:
+  clip_eps: float = 0.2
+  correction: str = "none"  # none | tis | mis
+  correction_cap: float = 2.0
+  kl_coef: float = 0.0
+  aux_coef: float = 1e-3
+  minibatches: int = 1
+  routing_replay: bool = False
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    if self.correction not in grpo.CORRECTIONS:
+      raise ValueError(f"rl.correction={self.correction!r}: choose one of {grpo.CORRECTIONS}")
+    if self.minibatches < 1:
+      raise ValueError(f"rl.minibatches must be >= 1, got {self.minibatches}")
+
+
+def _masked_mean(x, mask):
+  return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+class Trainer:
+  """Jitted warm-start and GRPO steps for one model, mode and optimizer."""
+
+  def __init__(self, cfg: ModelConfig, setup: ModeSetup, optimizer: optax.GradientTransformation,
+               options: RLOptions):
+    self.cfg, self.setup, self.opt, self.o = cfg, setup, optimizer, options
+    self.record_layers = parse_layers(setup.records, cfg.n_layers, what="records")
+    self.sft_step = jax.jit(self._sft_step, donate_argnums=(0,))
+    self.rl_step = jax.jit(self._rl_step, donate_argnums=(0,))
+
+  def init_state(self, params) -> dict:
+    state = {"params": params, "opt_state": self.opt.init(params)}
+    if self.o.kl_coef > 0:  # the reference policy: where RL starts
+      state["ref_params"] = params
+    return state
+
+  def _apply(self, state, grads):
+    updates, opt_state = self.opt.update(grads, state["opt_state"], state["params"])
+    return {**state, "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state}
+
+  # -- supervised warm start (bf16, the same start for every mode) -----------------------------
+
+  def _sft_step(self, state, batch):
+    def loss_fn(params):
+      out = recompute(self.cfg, params, batch["tokens"], batch["valid"])
+      nll = -_masked_mean(out.logp, batch["loss_mask"])
+      return nll + self.o.aux_coef * out.aux_loss, (nll, out.aux_loss)
+
+    (_, (nll, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    state = self._apply(state, grads)
+    return state, {"train/loss": nll, "train/aux_loss": aux,
+                   "train/grad_norm": optax.global_norm(grads)}
+
+  # -- GRPO ------------------------------------------------------------------------------------
+
+  def _forward(self, params, batch, recipe=None):
+    records = {i: batch["records"][i] for i in self.record_layers}
+    routes = batch["routes"] if self.o.routing_replay else None
+    return recompute(self.cfg, params, batch["tokens"], batch["valid"],
+                     recipe or self.setup.train, records=records, routes=routes,
+                     temperature=self.o.temperature)
+
+  def _rl_step(self, state, batch):
+    """batch: tokens, valid, response_mask, logp (the rollout's), advantages [B], records,
+    routes. Returns the new state, metrics, and the trainer's pre-update log-probs and routes
+    (for the mismatch metrics)."""
+    old = self._forward(state["params"], batch)
+    logp_old = jax.lax.stop_gradient(old.logp)
+    weights = grpo.rollout_correction(logp_old, batch["logp"], self.o.correction,
+                                      self.o.correction_cap)
+    extra = {"logp_old": logp_old, "weights": weights}
+    if self.o.kl_coef > 0:
+      extra["logp_ref"] = jax.lax.stop_gradient(self._forward(state["ref_params"], batch).logp)
+    mbs = _split(dict(batch, **extra), self.o.minibatches)
+
+    def mb_step(state, mb):
+      def loss_fn(params):
+        out = self._forward(params, mb)
+        loss, clip_frac = grpo.policy_loss(out.logp, mb["logp_old"], mb["advantages"],
+                                           mb["response_mask"], mb["weights"], self.o.clip_eps)
+        kl = (grpo.kl_k3(out.logp, mb["logp_ref"], mb["response_mask"])
+              if self.o.kl_coef > 0 else jnp.zeros(()))
+        total = loss + self.o.kl_coef * kl + self.o.aux_coef * out.aux_loss
+        return total, {"train/loss": loss, "train/clip_frac": clip_frac, "train/kl_ref": kl,
+                       "train/aux_loss": out.aux_loss}
+
+      (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+      metrics["train/grad_norm"] = optax.global_norm(grads)
+      return self._apply(state, grads), metrics
+
+    state, metrics = jax.lax.scan(mb_step, state, mbs)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["train/correction_weight"] = _masked_mean(weights, batch["response_mask"])
+    return state, metrics, {"logp": logp_old, "routes": old.routes}
+
+
+def _split(batch: dict, n: int) -> dict:
+  """Splits every array along its batch axis into n minibatches (a new leading axis).
+  routes are [n_layers, B, ...]: their batch axis is 1."""
+  def split(a, axis=0):
+    b = a.shape[axis]
+    if b % n:
+      raise ValueError(f"a batch of {b} sequences does not split into {n} minibatches")
+    a = jnp.moveaxis(a, axis, 0)
+    a = a.reshape(n, b // n, *a.shape[1:])
+    return jnp.moveaxis(a, 1, axis + 1)
+
+  out = {k: jax.tree.map(split, v) for k, v in batch.items() if k != "routes"}
+  out["routes"] = split(batch["routes"], axis=1)
+  return out

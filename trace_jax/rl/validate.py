@@ -1,0 +1,66 @@
+"""Config checks that run before any work: every bad value is named with its choices."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from trace_jax.models.recipe import parse_layers
+from trace_jax.quant import FORMATS
+from trace_jax.rl.grpo import CORRECTIONS
+from trace_jax.rl.trainer import MODES
+from trace_jax.tasks import ReasoningTask
+
+FAMILIES = ("reasoning",)
+FP4_FORMATS = ("mxfp4", "nvfp4")
+
+
+def make_task(t: ml_collections.ConfigDict):
+  if t.family != "reasoning":
+    raise ValueError(f"task.family={t.family!r}: choose one of {FAMILIES}")
+  options = (("min_terms", t.min_terms), ("max_terms", t.max_terms),
+             ("min_digits", t.min_digits), ("max_digits", t.max_digits))
+  return ReasoningTask(dataset=t.dataset, options=options, train_size=t.train_size,
+                       eval_size=t.eval_size, seed=0, prompt_style=t.prompt_style)
+
+
+def _choice(name: str, value, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{name}={value!r}: choose one of {tuple(choices)}")
+
+
+def _positive(c, *names: str) -> None:
+  for name in names:
+    value = c
+    for part in name.split("."):
+      value = value[part]
+    if not value > 0:
+      raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first bad key (unknown keys fail earlier, in config_flags)."""
+  _choice("rl.mode", c.rl.mode, MODES)
+  _choice("rl.fp4", c.rl.fp4, FP4_FORMATS)
+  assert set(FP4_FORMATS) <= set(FORMATS)
+  _choice("rl.correction", c.rl.correction, CORRECTIONS)
+  _choice("task.family", c.task.family, FAMILIES)
+  parse_layers(c.rl.trace_layers, c.model.n_layers, what="rl.trace_layers")
+  _positive(c, "sft.batch_size", "rl.prompts_per_step", "rl.max_new_tokens", "rl.lr",
+            "eval.every", "eval.size", "eval.batch_size", "checkpoint.every",
+            "checkpoint.keep", "max_prompt_len", "rl.minibatches", "rl.correction_cap")
+  if c.sft.steps < 0 or c.rl.steps < 0 or c.sft.steps + c.rl.steps == 0:
+    raise ValueError(f"sft.steps ({c.sft.steps}) and rl.steps ({c.rl.steps}) must be >= 0 and "
+                     "not both 0")
+  if c.rl.group_size < 2:
+    raise ValueError(f"rl.group_size must be >= 2 (GRPO compares samples of a prompt), got "
+                     f"{c.rl.group_size}")
+  batch = c.rl.prompts_per_step * c.rl.group_size
+  if batch % c.rl.minibatches:
+    raise ValueError(f"rl.prompts_per_step x rl.group_size = {batch} does not split into "
+                     f"rl.minibatches={c.rl.minibatches}")
+  if c.rl.temperature < 0 or not 0 < c.rl.top_p <= 1:
+    raise ValueError(f"rl.temperature must be >= 0 and rl.top_p in (0, 1]; got "
+                     f"{c.rl.temperature}, {c.rl.top_p}")
+  if c.log.flip_rate_every < 0:
+    raise ValueError(f"log.flip_rate_every must be >= 0, got {c.log.flip_rate_every}")
+  make_task(c.task)  # unknown dataset or generator options fail here
