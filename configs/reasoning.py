@@ -4,12 +4,13 @@
   python -m trace_jax.main --config=configs/reasoning.py:fp4_qat --workdir=runs/qat
   python -m trace_jax.main --config=configs/reasoning.py:trace_all,rl.routing_replay=true ...
 
-The default (the README's main job) trains a 2-layer, 4-expert policy from scratch on one- and
-two-digit sums: a 300-step supervised warm start (bf16), then 150 GRPO steps in `trace` mode
-(MXFP4 weights, activations and KV in the rollout; QAT guided by the last layer's records).
-About 6 minutes on 2 CPU cores; eval accuracy of the FP4 policy rises from ~0.3 after the warm
-start to ~0.6. Variants: one per mode (bf16, fp4_rollout, fp4_qat, trace, trace_all), `smoke`
-(a few steps of everything, for tests), and any key=value, e.g. `rl.correction=tis`.
+The default (the README's main job) trains a 2-layer, 4-expert policy from scratch on sums of
+two 1-2 digit numbers: a 100-step supervised warm start (bf16), then 500 GRPO steps in `trace`
+mode (MXFP4 weights, activations and KV cache in the rollout; QAT guided by the last layer's
+records). About 3 minutes on 2 CPU cores; greedy eval accuracy of the FP4 policy rises from
+~0.37 after the warm start to ~0.55, the mean training reward from ~0.25 to ~0.5. Variants: one
+per mode (bf16, fp4_rollout, fp4_qat, trace, trace_all), `smoke` (a few steps of everything, for
+tests), and any key=value, e.g. `rl.correction=tis`.
 """
 
 import ml_collections
@@ -18,8 +19,8 @@ from trace_jax.configs import apply_variant
 from trace_jax.rl.trainer import MODES
 
 VARIANTS = {m: {"rl.mode": m} for m in MODES}
-VARIANTS["smoke"] = {"sft.steps": 3, "rl.steps": 3, "sft.batch_size": 8,
-                     "rl.prompts_per_step": 4, "rl.group_size": 2, "eval.size": 8,
+VARIANTS["smoke"] = {"sft.steps": 3, "rl.steps": 4, "sft.batch_size": 8,
+                     "rl.prompts_per_step": 8, "rl.group_size": 2, "eval.size": 8, "eval.batch_size": 8,
                      "eval.every": 3, "checkpoint.every": 2, "log.flip_rate_every": 2,
                      "task.train_size": 64, "task.eval_size": 16}
 
@@ -35,7 +36,7 @@ def get_config(arg=None):
   c.task.min_terms = 2
   c.task.max_terms = 2
   c.task.min_digits = 1
-  c.task.max_digits = 1
+  c.task.max_digits = 2
   c.task.train_size = 5000
   c.task.eval_size = 200
   c.task.prompt_style = "compact"  # compact: "7+5="; question: the generator's full text
@@ -53,21 +54,21 @@ def get_config(arg=None):
   c.model.init_scale = 1.0
 
   c.sft = ml_collections.ConfigDict()
-  c.sft.steps = 300
+  c.sft.steps = 100
   c.sft.batch_size = 64
   c.sft.lr = 3e-3
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.steps = 150
+  c.rl.steps = 500
   c.rl.mode = "trace"  # bf16 | fp4_rollout | fp4_qat | trace | trace_all
   c.rl.fp4 = "mxfp4"  # mxfp4 | nvfp4 (the rollout's format in the FP4 modes)
   c.rl.trace_layers = "last:1"  # the layers `trace` records: none | all | last:N | [i, ...]
-  c.rl.prompts_per_step = 16
+  c.rl.prompts_per_step = 32
   c.rl.group_size = 8
   c.rl.max_new_tokens = 4
   c.rl.temperature = 1.0
   c.rl.top_p = 1.0
-  c.rl.lr = 1e-3
+  c.rl.lr = 3e-4
   c.rl.clip_eps = 0.2
   c.rl.correction = "none"  # none | tis | mis
   c.rl.correction_cap = 2.0

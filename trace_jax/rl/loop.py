@@ -26,11 +26,12 @@ from trace_jax.models import ModelConfig, init_params, pack_weights
 from trace_jax.rl import grpo
 from trace_jax.rl import metrics as M
 from trace_jax.rl.checkpoint import Checkpointer
+from trace_jax.rl.plots import plot_run
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
 from trace_jax.rl.trainer import RLOptions, Trainer, make_optimizer, mode_setup
 from trace_jax.rl.validate import make_task, validate
-from trace_jax.rl.writer import MetricsWriter
+from trace_jax.rl.writer import MetricsWriter, read_metrics
 
 
 class Run:
@@ -244,7 +245,10 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
     writer.close()
     ckpt.close()
   summary = summarize(workdir, c)
+  plot_run(workdir, title=f"{c.rl.mode} ({c.task.family}/{c.task.dataset})")
   log(format_summary(summary))
+  log(f"metrics: {os.path.join(workdir, 'metrics.jsonl')}, curves: "
+      f"{os.path.join(workdir, 'curves.png')}, tensorboard: {os.path.join(workdir, 'tensorboard')}")
   return summary
 
 
@@ -268,8 +272,6 @@ def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
 
 
 def summarize(workdir: str, c) -> dict:
-  from trace_jax.rl.writer import read_metrics
-
   rows = read_metrics(workdir)
   rl = [r for r in rows if r.get("phase") == "rl"]
   evals = [r for r in rows if r.get("eval/accuracy") is not None]

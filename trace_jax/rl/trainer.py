@@ -108,7 +108,7 @@ class Trainer:
     (_, (nll, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     state = self._apply(state, grads)
     return state, {"train/loss": nll, "train/aux_loss": aux,
-                   "train/grad_norm": optax.global_norm(grads)}
+                   "train/grad_norm": optax.tree_utils.tree_norm(grads)}
 
   # -- GRPO ------------------------------------------------------------------------------------
 
@@ -144,7 +144,7 @@ class Trainer:
                        "train/aux_loss": out.aux_loss}
 
       (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-      metrics["train/grad_norm"] = optax.global_norm(grads)
+      metrics["train/grad_norm"] = optax.tree_utils.tree_norm(grads)
       return self._apply(state, grads), metrics
 
     state, metrics = jax.lax.scan(mb_step, state, mbs)

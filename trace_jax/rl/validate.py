@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import ml_collections
 
 from trace_jax.models.recipe import parse_layers
@@ -37,7 +38,23 @@ def _positive(c, *names: str) -> None:
       raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
-def validate(c: ml_collections.ConfigDict) -> None:
+def _check_mesh(c, n_devices: int) -> None:
+  """Batches must split over the mesh: the trainer splits sequences over all devices, the
+  rollout over the data axis."""
+  expert = c.mesh.expert
+  data = c.mesh.data or n_devices // max(expert, 1)
+  if expert < 1 or data * expert != n_devices:
+    raise ValueError(f"mesh.data={c.mesh.data} x mesh.expert={expert} does not cover the "
+                     f"{n_devices} devices")
+  rl_batch = c.rl.prompts_per_step * c.rl.group_size
+  for name, size in [("sft.batch_size", c.sft.batch_size), ("eval.batch_size", c.eval.batch_size),
+                     ("rl.prompts_per_step x rl.group_size / rl.minibatches",
+                      rl_batch // c.rl.minibatches)]:
+    if size % (data * expert):
+      raise ValueError(f"{name} = {size} does not split over {data * expert} devices")
+
+
+def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
   """Raises ValueError naming the first bad key (unknown keys fail earlier, in config_flags)."""
   _choice("rl.mode", c.rl.mode, MODES)
   _choice("rl.fp4", c.rl.fp4, FP4_FORMATS)
@@ -63,4 +80,5 @@ def validate(c: ml_collections.ConfigDict) -> None:
                      f"{c.rl.temperature}, {c.rl.top_p}")
   if c.log.flip_rate_every < 0:
     raise ValueError(f"log.flip_rate_every must be >= 0, got {c.log.flip_rate_every}")
+  _check_mesh(c, jax.device_count() if n_devices is None else n_devices)
   make_task(c.task)  # unknown dataset or generator options fail here

@@ -1,0 +1,57 @@
+"""Tokenizers and the input pipeline."""
+
+import numpy as np
+import pytest
+
+from trace_jax.data.pipeline import left_pad, record_batches, supervised_batch
+from trace_jax.data.tokenizer import CharTokenizer, load_tokenizer, load_tokenizer_json
+
+
+def test_char_tokenizer_round_trip_and_save(tmp_path):
+  tok = CharTokenizer("0123456789+=")
+  ids = tok.encode("12+7=")
+  assert min(ids) > tok.eos_id and tok.decode(ids + [tok.eos_id, 5, 6]) == "12+7="
+  tok.save(str(tmp_path))
+  again = load_tokenizer(str(tmp_path))
+  assert again.vocab == tok.vocab and load_tokenizer_json(tok.to_json()).vocab == tok.vocab
+  with pytest.raises(ValueError, match=r"characters \['x'\] are not in the tokenizer"):
+    tok.encode("1x")
+
+
+def test_hf_tokenizer_file(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  model = tokenizers.models.WordLevel({"<eos>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]")
+  hf = tokenizers.Tokenizer(model)
+  hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  hf.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+  tok = load_tokenizer(str(tmp_path))
+  assert tok.encode("a b a") == [1, 2, 1] and tok.eos_id == 0
+  assert tok.decode([1, 2, 0, 1]) == "a b"
+
+
+def test_left_pad_and_supervised_batch():
+  tokens, lengths = left_pad([[5, 6], [7]], 4, 0)
+  np.testing.assert_array_equal(tokens, [[0, 0, 5, 6], [0, 0, 0, 7]])
+  with pytest.raises(ValueError, match="5 tokens does not fit the configured width 4"):
+    left_pad([[1] * 5], 4, 0)
+  tok = CharTokenizer("0123456789+=")
+  b = supervised_batch(tok, ["1+2=", "3="], ["3", "10"], prompt_width=5, target_width=3)
+  assert b["tokens"].shape == (2, 8)
+  assert tok.decode(b["tokens"][0, 5:]) == "3" and tok.decode(b["tokens"][1, 5:]) == "10"
+  np.testing.assert_array_equal(b["loss_mask"][1], [0, 0, 0, 0, 0, 1, 1, 1])
+  np.testing.assert_array_equal(b["valid"][1], [0, 0, 0, 1, 1, 1, 1, 1])
+  with pytest.raises(ValueError, match="target of 4 tokens"):
+    supervised_batch(tok, ["1="], ["123"], prompt_width=5, target_width=3)
+
+
+def test_record_batches_are_addressed_by_step():
+  source = [{"i": i} for i in range(10)]
+  batches = record_batches(source, 4, seed=0)
+  first = [[r["i"] for r in batches[s]] for s in range(5)]
+  again = record_batches(source, 4, seed=0)
+  assert first == [[r["i"] for r in again[s]] for s in range(5)]
+  seen = sorted(sum(first, [])[:10])
+  assert seen == list(range(10))  # an epoch covers every record once
+  with pytest.raises(ValueError, match="empty"):
+    record_batches([], 4, seed=0)

@@ -1,0 +1,153 @@
+"""The RL entry point end to end: every mode, metrics, resume after a kill, NaN, bad configs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from configs import reasoning
+from trace_jax.rl.loop import train
+from trace_jax.rl.trainer import MODES
+from trace_jax.rl.writer import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# wall-clock measurements differ between runs; everything else must not
+TIMING = ("time/", "rollout/tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+def smoke(data_dir, *extra):
+  c = reasoning.get_config(",".join(("smoke",) + extra))
+  c.data_dir = data_dir
+  return c
+
+
+def command(workdir, data_dir, *overrides):
+  return [sys.executable, "-m", "trace_jax.main", "--config=configs/reasoning.py:smoke",
+          f"--workdir={workdir}", f"--config.data_dir={data_dir}", "--noprogress", *overrides]
+
+
+# the command-line runs use one device (the in-process tests above run on 8)
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def launch(workdir, data_dir, *overrides, **kw):
+  return subprocess.Popen(command(workdir, data_dir, *overrides), cwd=ROOT, env=ENV, text=True,
+                          **kw)
+
+
+def run_cli(workdir, data_dir, *overrides):
+  out = subprocess.run(command(workdir, data_dir, *overrides), cwd=ROOT, env=ENV,
+                       capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout + out.stderr
+
+
+def comparable(rows):
+  return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
+  c = smoke(data_dir, mode, "rl.routing_replay=true", "rl.correction=tis")
+  summary = train(c, str(tmp_path), progress=False, log=lambda *_: None)
+  rows = read_metrics(str(tmp_path))
+  assert [r["step"] for r in rows] == list(range(c.sft.steps + c.rl.steps))
+  rl = [r for r in rows if r["phase"] == "rl"]
+  for key in ("reward/mean", "reward/std", "train/loss", "train/grad_norm", "train/clip_frac",
+              "rollout/tokens_per_s", "record/bytes_per_token", "time/rollout_s", "time/train_s",
+              "mismatch/kl_k3", "mismatch/logp_abs_diff_mean", "mismatch/prob_abs_diff_max",
+              "mismatch/route_flip_rate", "mismatch/kl_k3_by_position"):
+    assert all(key in r for r in rl), key
+  assert any(r.get("eval/accuracy") is not None for r in rows)
+  quantized = mode != "bf16"
+  assert any("mismatch/flip_rate" in r for r in rl) == quantized
+  assert (rl[0]["record/bytes_per_token"] > 0) == mode.startswith("trace")
+  assert os.path.exists(tmp_path / "tensorboard") and os.path.exists(tmp_path / "tokenizer.json")
+  assert summary["mode"] == mode and summary["reward_last"] is not None
+
+
+def test_killed_run_resumes_as_if_never_stopped(data_dir, tmp_path):
+  overrides = ("--config.rl.steps=10", "--config.checkpoint.every=3",
+               "--config.log.flip_rate_every=0")
+  ref = tmp_path / "ref"
+  run_cli(ref, data_dir, *overrides)
+  killed = tmp_path / "killed"
+  proc = launch(killed, data_dir, *overrides, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+  metrics = killed / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= 8:
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.02)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+  partial = len(metrics.read_text().splitlines())
+  assert 8 <= partial < 13
+  assert "resumed from step 6" in run_cli(killed, data_dir, *overrides)
+  assert comparable(read_metrics(str(killed))) == comparable(read_metrics(str(ref)))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(data_dir, tmp_path):
+  overrides = ("--config.rl.steps=10", "--config.checkpoint.every=100",
+               "--config.log.flip_rate_every=0")
+  proc = launch(tmp_path, data_dir, *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  metrics = tmp_path / "metrics.jsonl"
+  while proc.poll() is None:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+      proc.send_signal(signal.SIGTERM)
+      break
+    time.sleep(0.02)
+  out = proc.communicate()[0]
+  assert proc.returncode != 0 and "interrupted: the newest checkpoint is step" in out
+  saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+  assert saved and saved[-1] >= 5
+  run_cli(tmp_path, data_dir, *overrides)
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == list(range(13))
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(data_dir,
+                                                                                tmp_path):
+  # a learning rate this large blows the weights up within a few steps
+  c = smoke(data_dir, "sft.lr=1e30", "optim.max_grad_norm=1e30", "checkpoint.every=1")
+  with pytest.raises(FloatingPointError, match=r"train/loss is nan at step \d+.*last good "
+                     r"checkpoint is step \d+"):
+    train(c, str(tmp_path), progress=False, log=lambda *_: None)
+  rows = read_metrics(str(tmp_path))
+  saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+  assert all(np.isfinite(r["train/loss"]) for r in rows)
+  assert saved[-1] == len(rows)  # the bad step was neither logged nor saved
+
+
+def test_bad_config_fails_before_any_work(data_dir, tmp_path):
+  for override, message in [("rl.mode=fp8_qat", r"rl.mode='fp8_qat': choose one of \('bf16'"),
+                            ("rl.correction=ppo", r"rl.correction='ppo'.*'tis'"),
+                            ("rl.trace_layers=last:7", r"rl.trace_layers='last:7'"),
+                            ("rl.group_size=1", "rl.group_size must be >= 2"),
+                            ("rl.minibatches=3", "does not split into rl.minibatches=3")]:
+    with pytest.raises(ValueError, match=message):
+      train(smoke(data_dir, override), str(tmp_path / "w"), progress=False)
+    assert not os.path.exists(tmp_path / "w" / "metrics.jsonl")
+  with pytest.raises(ValueError, match="unknown config key 'lr'"):
+    reasoning.get_config("lr=3")
+  out = subprocess.run(command(tmp_path / "x", data_dir, "--config.rl.nope=1"), cwd=ROOT,
+                       env=ENV, capture_output=True, text=True)
+  assert out.returncode != 0 and "nope" in out.stderr
+
+
+def test_resuming_with_another_config_is_refused(data_dir, tmp_path):
+  train(smoke(data_dir), str(tmp_path), progress=False, log=lambda *_: None)
+  with pytest.raises(ValueError, match=r"different config \(keys \['rl.lr'\]\)"):
+    train(smoke(data_dir, "rl.lr=0.5"), str(tmp_path), progress=False)
