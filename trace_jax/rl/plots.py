@@ -20,7 +20,10 @@ def plot_run(workdir: str, title: str = "") -> str:
   """Writes <workdir>/curves.png: reward, eval accuracy, mismatch KL and flip rate vs step."""
   rows = read_metrics(workdir)
   fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
+  rl_start = next((r["step"] for r in rows if r.get("phase") == "rl"), None)
   for ax, (key, label, log) in zip(axes, PANELS):
+    if rl_start is not None:  # where the warm start ends and RL begins
+      ax.axvline(rl_start, color="0.6", ls="--", lw=1)
     pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
     if pts:
       x, y = np.array(pts).T
