@@ -1,6 +1,5 @@
 """The RL entry point end to end: every mode, metrics, resume after a kill, NaN, bad configs."""
 
-import json
 import os
 import signal
 import subprocess

@@ -15,7 +15,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from trace_jax.quant import api
 from trace_jax.quant.formats import (BF16, FP8, MXFP4, MXFP4_CEIL, NVFP4, NVFP4_TENSOR,
