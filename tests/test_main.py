@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from configs import reasoning
+from configs import coding, long_horizon, reasoning
 from trace_jax.rl.loop import train
 from trace_jax.rl.trainer import MODES
 from trace_jax.rl.writer import read_metrics
@@ -24,8 +24,8 @@ def data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("tfds"))
 
 
-def smoke(data_dir, *extra):
-  c = reasoning.get_config(",".join(("smoke",) + extra))
+def smoke(data_dir, *extra, config=reasoning):
+  c = config.get_config(",".join(("smoke",) + extra))
   c.data_dir = data_dir
   return c
 
@@ -73,6 +73,19 @@ def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
   assert (rl[0]["record/bytes_per_token"] > 0) == mode.startswith("trace")
   assert os.path.exists(tmp_path / "tensorboard") and os.path.exists(tmp_path / "tokenizer.json")
   assert summary["mode"] == mode and summary["reward_last"] is not None
+
+
+@pytest.mark.parametrize("config", [coding, long_horizon], ids=["coding", "long_horizon"])
+def test_the_other_families_run(config, data_dir, tmp_path):
+  c = smoke(data_dir, "trace", config=config)
+  summary = train(c, str(tmp_path), progress=False, log=lambda *_: None)
+  rows = read_metrics(str(tmp_path))
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert len(rl) == c.rl.steps and all(0.0 <= r["reward/mean"] <= 1.0 for r in rl)
+  assert all(r["rollout/response_tokens"] > 0 for r in rl)
+  if config is long_horizon:  # every policy turn is sampled; observations are not
+    assert rl[0]["rollout/response_tokens"] == 16 * c.task.long_horizon.turns * 3
+  assert summary["eval_accuracy_after"] is not None
 
 
 def test_killed_run_resumes_as_if_never_stopped(data_dir, tmp_path):

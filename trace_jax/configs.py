@@ -19,14 +19,15 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
         raise ValueError(f"unknown config variant {part!r}; variants: {sorted(variants)}, or "
                          f"key=value with keys {sorted(config.keys())}")
       for key, value in variants[part].items():
-        _set(config, key, value)
+        set_key(config, key, value)
       continue
     key, value = part.split("=", 1)
-    _set(config, key.strip(), value.strip())
+    set_key(config, key.strip(), value.strip())
   return config
 
 
-def _set(config, key: str, value) -> None:
+def set_key(config, key: str, value) -> None:
+  """config[key] = value for a dotted key, converting strings to the existing value's type."""
   *parents, leaf = key.split(".")
   for p in parents:  # dotted keys reach into nested ConfigDicts
     if p not in config or not isinstance(config[p], ml_collections.ConfigDict):

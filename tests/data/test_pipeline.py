@@ -36,13 +36,17 @@ def test_left_pad_and_supervised_batch():
   with pytest.raises(ValueError, match="5 tokens does not fit the configured width 4"):
     left_pad([[1] * 5], 4, 0)
   tok = CharTokenizer("0123456789+=")
-  b = supervised_batch(tok, ["1+2=", "3="], ["3", "10"], prompt_width=5, target_width=3)
+  b = supervised_batch(tok, ["1+2=", "3="], [[("3", True), ("<eos>", True)],
+                                              [("10", True), ("<eos>", True)]], 5, 3)
   assert b["tokens"].shape == (2, 8)
   assert tok.decode(b["tokens"][0, 5:]) == "3" and tok.decode(b["tokens"][1, 5:]) == "10"
   np.testing.assert_array_equal(b["loss_mask"][1], [0, 0, 0, 0, 0, 1, 1, 1])
   np.testing.assert_array_equal(b["valid"][1], [0, 0, 0, 1, 1, 1, 1, 1])
-  with pytest.raises(ValueError, match="target of 4 tokens"):
-    supervised_batch(tok, ["1="], ["123"], prompt_width=5, target_width=3)
+  with pytest.raises(ValueError, match="needs at least 4 positions, the rollout has 3"):
+    supervised_batch(tok, ["1="], [[("123", True), ("<eos>", True)]], 5, 3)
+  # environment segments are context, not targets
+  b = supervised_batch(tok, ["1="], [[("2", True), ("+3", False), ("5", True)]], 3, 4)
+  np.testing.assert_array_equal(b["loss_mask"][0, 3:], [1, 0, 0, 1])
 
 
 def test_record_batches_are_addressed_by_step():

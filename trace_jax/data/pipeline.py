@@ -35,21 +35,33 @@ def left_pad(seqs: Sequence[Sequence[int]], width: int, pad_id: int, *,
   return out, np.array([len(s) for s in seqs], np.int32)
 
 
-def supervised_batch(tokenizer, prompts: Sequence[str], targets: Sequence[str],
-                     prompt_width: int, target_width: int) -> dict[str, np.ndarray]:
-  """Prompt (left-padded) + target + <eos>, the rollout's layout, with a loss mask on the
-  target tokens and <eos>."""
+def supervised_batch(tokenizer, prompts: Sequence[str],
+                     continuations: Sequence[Sequence[tuple[str, bool]]], prompt_width: int,
+                     continuation_width: int) -> dict[str, np.ndarray]:
+  """Prompt (left-padded) then continuation segments, the rollout's layout. Each segment is
+  (text, trained?): the loss mask covers the policy's segments (answers, <eos>), not the
+  environment's (observations)."""
   p, lens = left_pad([tokenizer.encode(t) for t in prompts], prompt_width, tokenizer.pad_id)
-  b, total = len(prompts), prompt_width + target_width
+  b, total = len(prompts), prompt_width + continuation_width
   tokens = np.full((b, total), tokenizer.pad_id, np.int32)
   tokens[:, :prompt_width] = p
   loss_mask = np.zeros((b, total), bool)
-  for i, t in enumerate(targets):
-    ids = tokenizer.encode(t) + [tokenizer.eos_id]
-    if len(ids) > target_width:
-      raise ValueError(f"a target of {len(ids)} tokens (with <eos>) does not fit "
-                       f"max_new_tokens={target_width}")
-    tokens[i, prompt_width:prompt_width + len(ids)] = ids
-    loss_mask[i, prompt_width:prompt_width + len(ids)] = True
+  for i, segments in enumerate(continuations):
+    at = prompt_width
+    for text, trained in segments:
+      ids = tokenizer.encode(text) if text != "<eos>" else [tokenizer.eos_id]
+      if at + len(ids) > total:
+        raise ValueError(f"a continuation needs at least {at + len(ids) - prompt_width} "
+                         f"positions, the rollout has {continuation_width} (rl.max_new_tokens)")
+      tokens[i, at:at + len(ids)] = ids
+      loss_mask[i, at:at + len(ids)] = trained
+      at += len(ids)
   valid = np.arange(total)[None, :] >= (prompt_width - lens)[:, None]
   return {"tokens": tokens, "valid": valid, "loss_mask": loss_mask}
+
+
+def demonstration(task, record) -> list[tuple[str, bool]]:
+  """What the warm start imitates: a multi-turn task's demonstration, or target + <eos>."""
+  if hasattr(task, "demonstration"):
+    return task.demonstration(record)
+  return [(task.target(record), True), ("<eos>", True)]

@@ -7,6 +7,7 @@ of the step number, so a resumed run continues exactly as an uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -20,12 +21,13 @@ import numpy as np
 from tqdm import tqdm
 
 from trace_jax import sharding as S
-from trace_jax.data.pipeline import left_pad, record_batches, supervised_batch
+from trace_jax.data.pipeline import demonstration, record_batches, supervised_batch
 from trace_jax.data.tokenizer import CharTokenizer, load_tokenizer_json
 from trace_jax.models import ModelConfig, init_params, pack_weights
 from trace_jax.rl import grpo
 from trace_jax.rl import metrics as M
 from trace_jax.rl.checkpoint import Checkpointer
+from trace_jax.rl.episodes import episode_length, greedy_accuracy, rollout
 from trace_jax.rl.plots import plot_run
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
@@ -50,15 +52,16 @@ class Run:
     optimizer = make_optimizer(c.sft.lr, c.rl.lr, c.sft.steps, max_grad_norm=c.optim.max_grad_norm,
                                weight_decay=c.optim.weight_decay, b2=c.optim.b2)
     self.trainer = Trainer(self.cfg, self.setup, optimizer, options)
-    sampling = SamplingConfig(max_new_tokens=c.rl.max_new_tokens, temperature=c.rl.temperature,
-                              top_p=c.rl.top_p, stop_tokens=(tokenizer.eos_id,),
-                              pad_id=tokenizer.pad_id)
+    # single-turn answers end at <eos>; multi-turn episodes run a fixed number of tokens
+    multi = self.task.max_turns > 1
+    self.new_tokens = episode_length(self.task) if multi else c.rl.max_new_tokens
+    stops = () if multi else (tokenizer.eos_id,)
+    sampling = SamplingConfig(max_new_tokens=self.new_tokens, temperature=c.rl.temperature,
+                              top_p=c.rl.top_p, stop_tokens=stops, pad_id=tokenizer.pad_id)
     engine = functools.partial(RolloutEngine, self.cfg, self.setup.rollout)
     self.engine = engine(sampling, records=self.setup.records)
     self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
-    self.eval_engine = engine(SamplingConfig(max_new_tokens=c.rl.max_new_tokens, temperature=0.0,
-                                             stop_tokens=(tokenizer.eos_id,),
-                                             pad_id=tokenizer.pad_id))
+    self.eval_engine = engine(dataclasses.replace(sampling, temperature=0.0))
     self.sync = jax.jit(functools.partial(pack_weights, self.cfg, recipe=self.setup.rollout))
     self.codes = jax.jit(functools.partial(
         recompute, self.cfg, recipe=self.setup.train, temperature=c.rl.temperature,
@@ -85,39 +88,38 @@ class Run:
     weights = self.sync(params)
     return S.place(weights, S.param_shardings(weights, self.mesh, S.ROLLOUT_RULES))
 
-  def prompts(self, texts):
-    tokens, lengths = left_pad([self.tok.encode(t) for t in texts], self.c.max_prompt_len,
-                               self.tok.pad_id)
-    return self.place_batch({"tokens": tokens, "lengths": lengths}, S.ROLLOUT_RULES)
+  def place_rollout(self, x):
+    return S.place(x, S.batch_shardings(x, self.mesh, S.ROLLOUT_RULES))
 
   # -- steps -------------------------------------------------------------------------------
 
   def sft_step(self, state, step):
     records = self.sft_batches[step]
     batch = supervised_batch(self.tok, [self.task.prompt(r) for r in records],
-                             [self.task.target(r) for r in records], self.c.max_prompt_len,
-                             self.c.rl.max_new_tokens)
+                             [demonstration(self.task, r) for r in records],
+                             self.c.max_prompt_len, self.new_tokens)
     state, metrics = self.trainer.sft_step(state, self.place_batch(batch, S.TRAIN_RULES))
     return state, {k: float(v) for k, v in metrics.items()}
 
-  def completions(self, batch):
-    return [self.tok.decode(row) for row in np.asarray(batch.tokens[:, batch.prompt_width:])]
-
   def rl_step(self, state, step):
     c, g = self.c, self.c.rl.group_size
-    records = self.rl_batches[step - c.sft.steps]
-    prompts = self.prompts([self.task.prompt(r) for r in records for _ in range(g)])
+    records = [r for r in self.rl_batches[step - c.sft.steps] for _ in range(g)]
     diag = c.log.flip_rate_every and (step - c.sft.steps) % c.log.flip_rate_every == 0
     engine = self.diag_engine if diag else self.engine
     start = time.perf_counter()
-    weights = self.rollout_weights(state["params"])
-    batch = engine.generate(weights, prompts["tokens"], prompts["lengths"],
-                            jax.random.fold_in(state["key"], step))
+    batch, rewards = rollout(engine, self.rollout_weights(state["params"]), self.task, records,
+                             self.tok, c.max_prompt_len, jax.random.fold_in(state["key"], step),
+                             self.place_rollout)
     jax.block_until_ready(batch.tokens)
     rollout_s = time.perf_counter() - start
-    rewards = np.array([self.task.reward(r, text) for r, text in
-                        zip((r for r in records for _ in range(g)), self.completions(batch))],
-                       np.float32)
+    predicts = batch.response_mask[:, 1:]
+    flips = {}
+    if diag and batch.codes:  # the trainer's codes for the policy that made the rollout
+      records_used = {i: batch.records[i] for i in self.trainer.record_layers}
+      routes = batch.routes if c.rl.routing_replay else None
+      out = self.codes(state["params"], batch.tokens, batch.valid, records=records_used,
+                       routes=routes)
+      flips = M.flip_rates(self.cfg, self.setup.rollout, batch.codes, out.codes, predicts)
     adv = grpo.group_advantages(jnp.asarray(rewards), g)
     train_batch = self.place_batch(
         {"tokens": batch.tokens, "valid": batch.valid, "response_mask": batch.response_mask,
@@ -127,7 +129,6 @@ class Run:
     state, metrics, old = self.trainer.rl_step(state, train_batch)
     metrics = {k: float(v) for k, v in metrics.items()}
     train_s = time.perf_counter() - start
-    predicts = batch.response_mask[:, 1:]
     n_resp = int(jnp.sum(batch.response_mask))
     metrics.update({
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
@@ -139,28 +140,14 @@ class Run:
     })
     metrics.update(M.logp_mismatch(batch.logp, old["logp"], batch.response_mask,
                                    prompt_width=batch.prompt_width, n_buckets=4))
-    if diag and batch.codes:
-      records = {i: batch.records[i] for i in self.trainer.record_layers}
-      routes = batch.routes if c.rl.routing_replay else None
-      out = self.codes(state["params"], batch.tokens, batch.valid, records=records, routes=routes)
-      metrics.update(M.flip_rates(self.cfg, self.setup.rollout, batch.codes, out.codes, predicts))
+    metrics.update(flips)
     return state, metrics
 
   def evaluate(self, params) -> dict:
     """Greedy accuracy of the policy as the rollout engine runs it (FP4 in the FP4 modes)."""
-    weights = self.rollout_weights(params)
-    size = self.c.eval.batch_size
-    scores = []
-    for i in range(0, len(self.eval_records), size):
-      chunk = self.eval_records[i:i + size]
-      padded = chunk + chunk[:1] * (size - len(chunk))  # one compiled shape
-      prompts = self.prompts([self.task.prompt(r) for r in padded])
-      batch = self.eval_engine.generate(weights, prompts["tokens"], prompts["lengths"],
-                                        jax.random.PRNGKey(0))
-      texts = self.completions(batch)[:len(chunk)]
-      scores += [self.task.reward(r, t) for r, t in zip(chunk, texts)]
-    return {"eval/accuracy": float(np.mean([s >= 1.0 for s in scores])),
-            "eval/reward": float(np.mean(scores))}
+    return greedy_accuracy(self.eval_engine, self.rollout_weights(params), self.task,
+                           self.eval_records, self.tok, self.c.max_prompt_len,
+                           self.c.eval.batch_size, self.place_rollout)
 
 
 def _config_json(c) -> dict:
@@ -245,7 +232,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
     writer.close()
     ckpt.close()
   summary = summarize(workdir, c)
-  plot_run(workdir, title=f"{c.rl.mode} ({c.task.family}/{c.task.dataset})")
+  plot_run(workdir, title=f"{c.rl.mode} ({make_task(c.task).name})")
   log(format_summary(summary))
   log(f"metrics: {os.path.join(workdir, 'metrics.jsonl')}, curves: "
       f"{os.path.join(workdir, 'curves.png')}, tensorboard: {os.path.join(workdir, 'tensorboard')}")

@@ -118,18 +118,63 @@ class RolloutEngine:
     self.record_layers = parse_layers(records, cfg.n_layers, what="records")
     self.collect_codes = collect_codes
     self.attn_chunk = attn_chunk
-    self.prefill = jax.jit(self._prefill)
-    self.decode = jax.jit(self._decode, donate_argnums=(1,))
+    self._prefill_jit = jax.jit(self._prefill, static_argnums=(4,))
+    self._decode_jit = jax.jit(self._decode, donate_argnums=(1,))
+    self._extend_jit = jax.jit(self._extend, donate_argnums=(1,))
 
   def generate(self, weights: RolloutWeights, prompts_BxP, lengths_B, key) -> RolloutBatch:
+    """Single-turn: up to `max_new_tokens` sampled tokens per prompt, or until a stop token."""
+    prompts_BxP, lengths_B = self._check(prompts_BxP, lengths_B)
+    total = prompts_BxP.shape[1] + self.sampling.max_new_tokens
+    state = self.start(weights, prompts_BxP, lengths_B, key, total)
+    return self.finish(self.run(weights, state, total - 1), prompts_BxP.shape[1])
+
+  # -- multi-turn building blocks: start, run (sample), extend (observations), finish ---------
+
+  def start(self, weights, prompts_BxP, lengths_B, key, total: int) -> dict:
+    """Prefills the prompts into a cache with room for `total` tokens; samples token P."""
+    prompts_BxP, lengths_B = self._check(prompts_BxP, lengths_B)
+    if total <= prompts_BxP.shape[1]:
+      raise ValueError(f"total length {total} leaves no room after prompts of width "
+                       f"{prompts_BxP.shape[1]}")
+    return self._prefill_jit(weights, prompts_BxP, lengths_B, key, total)
+
+  def run(self, weights, state: dict, until: int) -> dict:
+    """Samples tokens until index `until` holds one (or every sequence has stopped)."""
+    if not int(state["t"]) <= until < state["tokens"].shape[1]:
+      raise ValueError(f"run(until={until}) outside [{int(state['t'])}, "
+                       f"{state['tokens'].shape[1] - 1}]")
+    return self._decode_jit(weights, {**state, "limit": jnp.asarray(until, jnp.int32)})
+
+  def extend(self, weights, state: dict, tokens_BxT) -> dict:
+    """Appends environment tokens (an observation: in the cache and the records, never in the
+    response mask) after the last sampled token, then samples the next policy token."""
+    tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
+    end = int(state["t"]) + tokens_BxT.shape[1] + 1
+    if tokens_BxT.ndim != 2 or tokens_BxT.shape[0] != state["tokens"].shape[0] or (
+        end >= state["tokens"].shape[1]):
+      raise ValueError(f"extend: tokens {tokens_BxT.shape} do not fit a batch of "
+                       f"{state['tokens'].shape[0]} with {state['tokens'].shape[1] - end} "
+                       "positions left")
+    return self._extend_jit(weights, state, tokens_BxT)
+
+  def finish(self, state: dict, prompt_width: int) -> RolloutBatch:
+    total = state["tokens"].shape[1]
+    j = jnp.arange(total)[None, :]
+    return RolloutBatch(
+        tokens=state["tokens"], valid=j >= state["pad"][:, None], response_mask=state["sampled"],
+        logp=jnp.where(state["sampled"], state["logp"], 0.0), records=state["records"],
+        routes=state["routes"], codes=state["codes"] if self.collect_codes else None,
+        prompt_width=prompt_width)
+
+  # -- shapes: P padded prompt width, L tokens in all, L - 1 positions fed to the model --------
+
+  def _check(self, prompts_BxP, lengths_B):
     prompts_BxP, lengths_B = jnp.asarray(prompts_BxP, jnp.int32), jnp.asarray(lengths_B)
     if prompts_BxP.ndim != 2 or lengths_B.shape != prompts_BxP.shape[:1]:
       raise ValueError(f"prompts must be [B, P] with lengths [B], got {prompts_BxP.shape} and "
                        f"{lengths_B.shape}")
-    state = self.decode(weights, self.prefill(weights, prompts_BxP, lengths_B, key))
-    return self._finish(state, prompts_BxP.shape[1])
-
-  # -- shapes: P padded prompt width, L = P + N tokens, L - 1 positions fed to the model ------
+    return prompts_BxP, lengths_B
 
   def _path(self, cache, start, q_slot_BxT, valid_BxS):
     return RolloutPath(self.cfg, self.recipe, cache, start, q_slot_BxT, valid_BxS,
@@ -138,9 +183,8 @@ class RolloutEngine:
   def _sample(self, key, logits_BxV):
     return sample(key, logits_BxV, self.sampling.temperature, self.sampling.top_p)
 
-  def _prefill(self, weights, prompts_BxP, lengths_B, key):
+  def _prefill(self, weights, prompts_BxP, lengths_B, key, total):
     b, p = prompts_BxP.shape
-    total = p + self.sampling.max_new_tokens
     fed = total - 1
     slots = -(-fed // self.attn_chunk) * self.attn_chunk
     pad_B = p - lengths_B
@@ -155,52 +199,52 @@ class RolloutEngine:
     tokens = jnp.full((b, total), pad, jnp.int32).at[:, :p].set(prompts_BxP).at[:, p].set(tok)
     routes = jnp.stack(path.routes)
     return {
-        "t": jnp.asarray(p, jnp.int32), "key": key, "pad": pad_B, "valid": valid_BxS,
-        "tokens": tokens, "logp": jnp.zeros((b, total), jnp.float32).at[:, p].set(lp),
+        "t": jnp.asarray(p, jnp.int32), "limit": jnp.asarray(total - 1, jnp.int32), "key": key,
+        "pad": pad_B, "valid": valid_BxS, "tokens": tokens,
+        "logp": jnp.zeros((b, total), jnp.float32).at[:, p].set(lp),
+        "sampled": jnp.zeros((b, total), bool).at[:, p].set(True),
         "done": jnp.isin(tok, jnp.asarray(self.sampling.stop_tokens, jnp.int32)),
-        "lengths": jnp.ones((b,), jnp.int32), "cache": path.new_cache,
+        "cache": path.new_cache,
         "records": write_slots(_zeros_like_slots(path.records, fed, 1), path.records, 0),
         "codes": write_slots(_zeros_like_slots(path.codes, fed, 1), path.codes, 0),
         "routes": write_slots(_zeros_like_slots(routes, fed, 2), routes, 0, axis=2),
     }
 
-  def _decode(self, weights, state):
-    total = state["tokens"].shape[1]
+  def _advance(self, weights, s, fed_BxT):
+    """Feeds fed_BxT at slots t .. t+T-1 (fed[:, 0] is the pending sampled token at t, the rest
+    are new context), writes their cache entries and records, samples the token at t + T."""
+    t, (b, n) = s["t"], fed_BxT.shape
+    q_slot = jnp.broadcast_to(t + jnp.arange(n), (b, n))
+    pos = jnp.maximum(q_slot - s["pad"][:, None], 0)
+    path = self._path(s["cache"], t, q_slot, s["valid"])
+    logits, _ = forward(self.cfg, weights, fed_BxT, pos, path)
+    key, sub = jax.random.split(s["key"])
+    nxt, lp = self._sample(sub, logits[:, -1])
+    nxt = jnp.where(s["done"], self.sampling.pad_id, nxt)
+    lp = jnp.where(s["done"], 0.0, lp)
+    new_t = t + n
+    tokens = write_slots(s["tokens"], fed_BxT[:, 1:], t + 1) if n > 1 else s["tokens"]
     stops = jnp.asarray(self.sampling.stop_tokens, jnp.int32)
-    pad = self.sampling.pad_id
+    return {
+        **s, "t": new_t, "key": key, "cache": path.new_cache,
+        "tokens": write_slots(tokens, nxt[:, None], new_t),
+        "logp": write_slots(s["logp"], lp[:, None], new_t),
+        "sampled": write_slots(s["sampled"], ~s["done"][:, None], new_t),
+        "done": s["done"] | jnp.isin(nxt, stops),
+        "records": write_slots(s["records"], path.records, t),
+        "codes": write_slots(s["codes"], path.codes, t),
+        "routes": write_slots(s["routes"], jnp.stack(path.routes), t, axis=2),
+    }
 
+  def _decode(self, weights, state):
     def cond(s):
-      return (s["t"] < total - 1) & ~jnp.all(s["done"])
+      return (s["t"] < s["limit"]) & ~jnp.all(s["done"])
 
     def body(s):
-      t, b = s["t"], s["tokens"].shape[0]
-      tok = jax.lax.dynamic_slice_in_dim(s["tokens"], t, 1, axis=1)
-      pos = jnp.maximum(t - s["pad"], 0)[:, None]
-      path = self._path(s["cache"], t, jnp.full((b, 1), t), s["valid"])
-      logits, _ = forward(self.cfg, weights, tok, pos, path)
-      key, sub = jax.random.split(s["key"])
-      nxt, lp = self._sample(sub, logits[:, 0])
-      nxt = jnp.where(s["done"], pad, nxt)
-      lp = jnp.where(s["done"], 0.0, lp)
-      return {
-          **s, "t": t + 1, "key": key, "cache": path.new_cache,
-          "tokens": write_slots(s["tokens"], nxt[:, None], t + 1),
-          "logp": write_slots(s["logp"], lp[:, None], t + 1),
-          "lengths": s["lengths"] + (~s["done"]).astype(jnp.int32),
-          "done": s["done"] | jnp.isin(nxt, stops),
-          "records": write_slots(s["records"], path.records, t),
-          "codes": write_slots(s["codes"], path.codes, t),
-          "routes": write_slots(s["routes"], jnp.stack(path.routes), t, axis=2),
-      }
+      return self._advance(weights, s, jax.lax.dynamic_slice_in_dim(s["tokens"], s["t"], 1, 1))
 
     return jax.lax.while_loop(cond, body, state)
 
-  def _finish(self, state, prompt_width: int) -> RolloutBatch:
-    total = state["tokens"].shape[1]
-    j = jnp.arange(total)[None, :]
-    response = (j >= prompt_width) & (j < prompt_width + state["lengths"][:, None])
-    return RolloutBatch(
-        tokens=state["tokens"], valid=j >= state["pad"][:, None], response_mask=response,
-        logp=jnp.where(response, state["logp"], 0.0), records=state["records"],
-        routes=state["routes"], codes=state["codes"] if self.collect_codes else None,
-        prompt_width=prompt_width)
+  def _extend(self, weights, state, tokens_BxT):
+    pending = jax.lax.dynamic_slice_in_dim(state["tokens"], state["t"], 1, 1)
+    return self._advance(weights, state, jnp.concatenate([pending, tokens_BxT], axis=1))

@@ -9,19 +9,26 @@ from trace_jax.models.recipe import parse_layers
 from trace_jax.quant import FORMATS
 from trace_jax.rl.grpo import CORRECTIONS
 from trace_jax.rl.trainer import MODES
-from trace_jax.tasks import ReasoningTask
+from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask
 
-FAMILIES = ("reasoning",)
+FAMILIES = ("reasoning", "coding", "long_horizon")
 FP4_FORMATS = ("mxfp4", "nvfp4")
 
 
 def make_task(t: ml_collections.ConfigDict):
-  if t.family != "reasoning":
-    raise ValueError(f"task.family={t.family!r}: choose one of {FAMILIES}")
-  options = (("min_terms", t.min_terms), ("max_terms", t.max_terms),
-             ("min_digits", t.min_digits), ("max_digits", t.max_digits))
-  return ReasoningTask(dataset=t.dataset, options=options, train_size=t.train_size,
-                       eval_size=t.eval_size, seed=0, prompt_style=t.prompt_style)
+  """The task of a config's `task` section."""
+  _choice("task.family", t.family, FAMILIES)
+  if t.family == "reasoning":
+    r = t.reasoning
+    options = (("min_terms", r.min_terms), ("max_terms", r.max_terms),
+               ("min_digits", r.min_digits), ("max_digits", r.max_digits))
+    return ReasoningTask(dataset=r.dataset, options=options, train_size=t.train_size,
+                         eval_size=t.eval_size, prompt_style=r.prompt_style)
+  if t.family == "coding":
+    return FunctionSynthesisTask(families=t.coding.families, train_size=t.train_size,
+                                 eval_size=t.eval_size, timeout_s=t.coding.timeout_s)
+  return RunningSumTask(turns=t.long_horizon.turns, train_size=t.train_size,
+                        eval_size=t.eval_size)
 
 
 def _choice(name: str, value, choices) -> None:
@@ -60,7 +67,6 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   _choice("rl.fp4", c.rl.fp4, FP4_FORMATS)
   assert set(FP4_FORMATS) <= set(FORMATS)
   _choice("rl.correction", c.rl.correction, CORRECTIONS)
-  _choice("task.family", c.task.family, FAMILIES)
   parse_layers(c.rl.trace_layers, c.model.n_layers, what="rl.trace_layers")
   _positive(c, "sft.batch_size", "rl.prompts_per_step", "rl.max_new_tokens", "rl.lr",
             "eval.every", "eval.size", "eval.batch_size", "checkpoint.every",

@@ -1,0 +1,19 @@
+"""RL on the coding family: write `f(x)` from two examples; programs run in the sandbox.
+
+  python -m trace_jax.main --config=configs/coding.py --workdir=runs/coding
+  python -m trace_jax.main --config=configs/coding.py:trace_all --workdir=runs/coding_all
+
+Prompts like `f(0)=7,f(1)=10:`; the policy writes the body (`3*x+7`), which runs as
+`def f(x): return (3*x+7)` against hidden tests in a sandboxed subprocess (time and memory
+limits, no network, no writes outside a throwaway directory); reward 1 when all pass. Same
+policy size and schedule as configs/reasoning.py. Variants and keys as there.
+"""
+
+from trace_jax.rl.defaults import VARIANTS, config
+
+__all__ = ["VARIANTS", "get_config"]
+
+
+def get_config(arg=None):
+  return config({"task.family": "coding", "task.train_size": 4000, "max_prompt_len": 16,
+                 "rl.max_new_tokens": 8}, arg)

@@ -1,0 +1,71 @@
+"""The multi-turn environment and multi-turn rollouts through one KV cache."""
+
+import jax
+import numpy as np
+import pytest
+
+from trace_jax.data.tokenizer import CharTokenizer
+from trace_jax.models import QuantRecipe, init_params, pack_weights, tiny
+from trace_jax.rl import metrics as M
+from trace_jax.rl.episodes import episode_length, rollout
+from trace_jax.rl.recompute import recompute
+from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
+from trace_jax.tasks import RunningSumTask
+
+
+@pytest.fixture(scope="module")
+def episodes(tmp_path_factory):
+  task = RunningSumTask(turns=8, train_size=20, eval_size=4)
+  return task, task.prepare(str(tmp_path_factory.mktemp("tfds")))
+
+
+def test_environment(episodes):
+  task, sources = episodes
+  record = sources["train"][0]
+  totals = task.totals(record)
+  assert len(totals) == 8 and all(0 <= t < 100 for t in totals)
+  assert task.prompt(record).startswith(f"s={int(record['start']):02d} ")
+  right = task.step(record, 0, task.answer(totals[0]))
+  wrong = task.step(record, 0, "xx;")
+  assert right.observation[0] == "y" and wrong.observation[0] == "n" and not right.done
+  assert right.observation[1:] == wrong.observation[1:] and len(right.observation) == 4
+  assert right.reward == 1.0 and wrong.reward == 0.0
+  assert task.step(record, 7, task.answer(totals[7])).done
+  demo = task.demonstration(record)
+  assert sum(trained for _, trained in demo) == 8 and len(demo) == 15
+  assert task.reward(record, task.target(record)) == 1.0
+  assert len(task.target(record)) == episode_length(task) == 8 * 3 + 7 * 4
+
+
+@pytest.mark.parametrize("precision,tol", [("bf16", 2e-4), ("mxfp4", None)])
+def test_episodes_share_one_kv_cache_and_mask_observations(episodes, precision, tol):
+  task, sources = episodes
+  tok = CharTokenizer(task.alphabet())
+  cfg = tiny(vocab_size=tok.vocab_size, dtype="float32")
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  recipe = QuantRecipe.uniform(precision)
+  engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=1), records="all",
+                         collect_codes=True, attn_chunk=16)
+  records = [sources["train"][i] for i in range(4)]
+  batch, rewards = rollout(engine, pack_weights(cfg, params, recipe), task, records, tok, 8,
+                           jax.random.PRNGKey(1))
+  p = batch.prompt_width
+  assert batch.tokens.shape == (4, p + episode_length(task)) and rewards.shape == (4,)
+  mask = np.asarray(batch.response_mask)[:, p:]
+  turn = np.r_[np.ones(3, bool), np.zeros(4, bool)]
+  np.testing.assert_array_equal(mask[0], np.tile(turn, 8)[:episode_length(task)])
+  # the observations in the context are the environment's replies to the sampled answers
+  text = tok.decode(np.asarray(batch.tokens[0, p:]))
+  for t in range(7):
+    answer = text[7 * t:7 * t + 3]
+    assert text[7 * t + 3:7 * t + 7] == task.step(records[0], t, answer).observation
+  # the trainer, one pass over the whole episode, scores the same tokens the same way
+  out = recompute(cfg, params, batch.tokens, batch.valid, recipe, records=batch.records,
+                  routes=batch.routes, collect_codes=True)
+  if tol is not None:
+    diff = np.abs(np.asarray(out.logp) - np.asarray(batch.logp))[np.asarray(batch.response_mask)]
+    assert diff.max() < tol
+  else:  # FP4 with records everywhere: nothing flips, observations included
+    everywhere = np.ones(batch.response_mask[:, 1:].shape, bool)
+    assert M.flip_rates(cfg, recipe, batch.codes, out.codes, everywhere)[
+        "mismatch/flip_rate"] == 0.0

