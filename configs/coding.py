@@ -3,7 +3,8 @@
   python -m trace_jax.main --config=configs/coding.py --workdir=runs/coding
   python -m trace_jax.main --config=configs/coding.py:trace_all --workdir=runs/coding_all
 
-Prompts like `f(0)=7,f(1)=10:`; the policy writes the body (`3*x+7`), which runs as
+Prompts like `f(0)=7,f(1)=10,f(2)=13:`; the policy writes the body (`3*x+7`; the families are
+a*x+b, a*x-b and x*x+a), which runs as
 `def f(x): return (3*x+7)` against hidden tests in a sandboxed subprocess (time and memory
 limits, no network, no writes outside a throwaway directory); reward 1 when all pass. Same
 policy size and schedule as configs/reasoning.py. Variants and keys as there.
@@ -15,5 +16,5 @@ __all__ = ["VARIANTS", "get_config"]
 
 
 def get_config(arg=None):
-  return config({"task.family": "coding", "task.train_size": 4000, "max_prompt_len": 16,
+  return config({"task.family": "coding", "task.train_size": 4000, "max_prompt_len": 32,
                  "rl.max_new_tokens": 8}, arg)

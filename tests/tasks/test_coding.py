@@ -26,7 +26,7 @@ def test_humaneval_program_layout():
 
 @pytest.fixture(scope="module")
 def synthesis(tmp_path_factory):
-  task = FunctionSynthesisTask(train_size=50, eval_size=10)
+  task = FunctionSynthesisTask(families="linear", train_size=50, eval_size=10)
   return task, task.prepare(str(tmp_path_factory.mktemp("tfds")))
 
 
@@ -36,7 +36,7 @@ def test_synthesis_rewards_run_the_program(synthesis):
   right = [task.target(r) for r in records]
   assert task.rewards(records, right) == [1.0] * 6
   a, b = right[0].split("*x+")
-  assert task.prompt(records[0]).startswith(f"f(0)={b},f(1)={int(a) + int(b)}:")
+  assert task.prompt(records[0]) == f"f(0)={b},f(1)={int(a) + int(b)},f(2)={2 * int(a) + int(b)}:"
   wrong = ["x", "0", "(", "x*x*x*x", "1/0", "__import__('os').system('true')"]
   assert task.rewards(records, wrong) == [0.0] * 6
   assert set("".join(task.prompt(r) + task.target(r) for r in records)) <= set(task.alphabet())

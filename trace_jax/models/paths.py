@@ -166,8 +166,11 @@ def new_kv_cache(cfg: ModelConfig, recipe: QuantRecipe, batch: int, slots: int) 
     pair = []
     for site in ("k", "v"):
       fmt = recipe.site_format(site, i, cfg.n_layers)
-      zeros = jnp.zeros(shape, cfg.act_dtype)
-      pair.append(zeros if fmt is BF16 else quant.quantize(zeros, fmt))
+      if fmt is BF16:
+        pair.append(jnp.zeros(shape, cfg.act_dtype))
+      else:  # zero bytes of the packed layout; unwritten slots are never attended to
+        layout = jax.eval_shape(lambda f=fmt: quant.quantize(jnp.zeros(shape, cfg.act_dtype), f))
+        pair.append(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), layout))
     cache.append(tuple(pair))
   return cache
 

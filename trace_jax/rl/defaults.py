@@ -22,8 +22,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.reasoning = ml_collections.ConfigDict(dict(
       dataset="chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=2,
       prompt_style="compact"))  # compact: "7+5="; question: the generator's full text
-  c.task.coding = ml_collections.ConfigDict(dict(families="linear", timeout_s=1.0))
-  c.task.long_horizon = ml_collections.ConfigDict(dict(turns=24))
+  c.task.coding = ml_collections.ConfigDict(dict(families="linear,affine_neg,quadratic",
+                                                 timeout_s=1.0))
+  c.task.long_horizon = ml_collections.ConfigDict(dict(turns=32, modulus=10))
   c.max_prompt_len = 8  # tokens; prompts are left-padded to it
 
   c.model = ml_collections.ConfigDict(dict(

@@ -27,8 +27,8 @@ def make_task(t: ml_collections.ConfigDict):
   if t.family == "coding":
     return FunctionSynthesisTask(families=t.coding.families, train_size=t.train_size,
                                  eval_size=t.eval_size, timeout_s=t.coding.timeout_s)
-  return RunningSumTask(turns=t.long_horizon.turns, train_size=t.train_size,
-                        eval_size=t.eval_size)
+  return RunningSumTask(turns=t.long_horizon.turns, modulus=t.long_horizon.modulus,
+                        train_size=t.train_size, eval_size=t.eval_size)
 
 
 def _choice(name: str, value, choices) -> None:

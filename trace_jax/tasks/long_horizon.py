@@ -1,12 +1,13 @@
 """The long-horizon family: a multi-turn environment with observations in the context.
 
-`RunningSumTask`: the environment starts a counter (`s=05`) and, every turn, announces an
-operation (`+7>`); the policy answers with the new total mod 100 (`12;`). From the second turn
-on, each observation starts with the verdict on the previous answer (`y` or `n`) and the
-counter always continues from the true total, so an episode is a closed loop: the policy has to
-notice and recover from its own mistakes. Turns have fixed lengths (observation 4 tokens,
-answer 3), so a batch of episodes advances in lockstep through one KV cache. With the default
-24 turns a trajectory is 174 tokens; the reward is the fraction of turns answered correctly.
+`RunningSumTask`: the environment starts a counter (`s=5`) and, every turn, announces an
+operation (`+7>`); the policy answers with the new total modulo `modulus` (`2;`). From the
+second turn on, each observation starts with the verdict on the previous answer (`y` or `n`)
+and the counter always continues from the true total, so an episode is a closed loop: the policy
+has to notice and recover from its own mistakes. Turns have fixed lengths (observation 4
+tokens, answer 2 for modulus 10), so a batch of episodes advances in lockstep through one KV
+cache. With the default 32 turns a trajectory is 188 tokens after the prompt; the reward is the
+fraction of turns answered correctly.
 Observation tokens are context only: they are masked out of the loss and the mismatch metrics.
 """
 
@@ -21,7 +22,6 @@ import tensorflow_datasets as tfds
 
 from trace_jax.tasks.base import Record, Turn
 
-ANSWER_LEN = 3  # "12;"
 OBS_LEN = 4  # "y+7>"
 
 
@@ -31,7 +31,7 @@ def _text(v) -> str:
 
 @dataclasses.dataclass(eq=False)
 class EpisodeBuilderConfig(tfds.core.BuilderConfig):
-  turns: int = 24
+  turns: int = 32
   train_size: int = 2000
   eval_size: int = 100
   seed: int = 0
@@ -55,7 +55,7 @@ class RunningSumEpisodes(tfds.core.GeneratorBasedBuilder):
     rng = random.Random(seed)
     for i in range(size):
       ops = [rng.choice([-1, 1]) * rng.randint(1, 9) for _ in range(self.builder_config.turns)]
-      yield i, {"start": rng.randint(0, 99), "ops": json.dumps(ops), "index": i}
+      yield i, {"start": rng.randint(0, 9), "ops": json.dumps(ops), "index": i}
 
 
 def _op(o: int) -> str:
@@ -64,10 +64,15 @@ def _op(o: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RunningSumTask:
-  turns: int = 24
+  turns: int = 32
+  modulus: int = 10
   train_size: int = 2000
   eval_size: int = 100
   seed: int = 0
+
+  def __post_init__(self):
+    if self.turns < 1 or self.modulus < 2:
+      raise ValueError(f"need turns >= 1 and modulus >= 2, got {self.turns}, {self.modulus}")
 
   @property
   def max_turns(self) -> int:
@@ -75,9 +80,12 @@ class RunningSumTask:
 
   @property
   def name(self) -> str:
-    return f"long_horizon/running_sum_{self.turns}"
+    return f"long_horizon/running_sum_{self.turns}x{self.modulus}"
 
-  answer_len = ANSWER_LEN
+  @property
+  def answer_len(self) -> int:
+    return len(str(self.modulus - 1)) + 1  # digits and ";"
+
   observation_len = OBS_LEN
 
   def prepare(self, data_dir: str | None):
@@ -96,17 +104,18 @@ class RunningSumTask:
     return ops[:self.turns]
 
   def totals(self, record: Record) -> list[int]:
-    total, out = int(record["start"]), []
+    total, out = int(record["start"]) % self.modulus, []
     for o in self._ops(record):
-      total = (total + o) % 100
+      total = (total + o) % self.modulus
       out.append(total)
     return out
 
   def prompt(self, record: Record) -> str:
-    return f"s={int(record['start']):02d} {_op(self._ops(record)[0])}>"
+    start = int(record["start"]) % self.modulus
+    return f"s={start:0{self.answer_len - 1}d} {_op(self._ops(record)[0])}>"
 
   def answer(self, total: int) -> str:
-    return f"{total:02d};"
+    return f"{total:0{self.answer_len - 1}d};"
 
   def step(self, record: Record, turn: int, answer: str) -> Turn:
     """The environment's reply to the policy's answer in `turn` (0-based)."""
@@ -132,8 +141,9 @@ class RunningSumTask:
 
   def reward(self, record: Record, completion: str) -> float:
     """Fraction of turns answered correctly in a full transcript after the prompt."""
-    per_turn = ANSWER_LEN + OBS_LEN
-    answers = [completion[i * per_turn:i * per_turn + ANSWER_LEN] for i in range(self.turns)]
+    per_turn = self.answer_len + OBS_LEN
+    answers = [completion[i * per_turn:i * per_turn + self.answer_len]
+               for i in range(self.turns)]
     return float(np.mean([a == self.answer(t) for a, t in zip(answers, self.totals(record))]))
 
   def alphabet(self) -> str:
