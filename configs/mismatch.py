@@ -3,6 +3,7 @@
   python -m trace_jax.mismatch --config=configs/mismatch.py           # small model, ~2-3 min on 2 CPUs
   python -m trace_jax.mismatch --config=configs/mismatch.py:quick     # tiny model, under a minute
   python -m trace_jax.mismatch --config=configs/mismatch.py:hf_path=/path/to/Qwen3-MoE-dir
+  python -m trace_jax.mismatch --config=configs/mismatch.py:checkpoint=runs/reasoning
 
 One rollout batch per rollout precision (bf16, fp8, mxfp4, nvfp4) with records for every layer,
 then the trainer's recomputation for each guidance (none, last:N, all) and routing replay (off,
@@ -27,6 +28,7 @@ def get_config(arg=None):
   c.init_seed = 0
   c.init_scale = 1.0  # std multiplier of the random init
   c.hf_path = ""  # a Hugging Face Qwen3-MoE directory instead of a random init
+  c.checkpoint = ""  # or an RL run's workdir: its newest policy, prompts from its eval set
   c.batch = 8
   c.prompt_len_min = 16
   c.prompt_len_max = 48

@@ -24,6 +24,7 @@ from trace_jax.models import QuantRecipe, init_params, load_hf, pack_weights, pa
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.recipe import PRECISIONS
 from trace_jax.rl import metrics as M
+from trace_jax.rl.loop import load_run
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig, pad_prompts
 
@@ -39,13 +40,27 @@ def _choices(spec: str, allowed, what: str) -> list[str]:
 
 
 def load_policy(c: ml_collections.ConfigDict) -> tuple[ModelConfig, dict]:
+  if c.checkpoint:
+    run, state, _ = load_run(c.checkpoint)
+    return run.cfg, state["params"]
   if c.hf_path:
     return load_hf(c.hf_path, dtype="bfloat16")
   cfg = preset(c.model, init_scale=c.init_scale)
   return cfg, init_params(cfg, jax.random.PRNGKey(c.init_seed))
 
 
+def task_prompts(workdir: str, n: int) -> list[list[int]]:
+  """The first n eval prompts of an RL run's task, tokenized as the run tokenizes them."""
+  run, _, _ = load_run(workdir)
+  records = run.eval_records[:n]
+  if len(records) < n:
+    raise ValueError(f"the run's eval set has {len(records)} prompts, the probe asks for {n}")
+  return [run.tok.encode(run.task.prompt(r)) for r in records]
+
+
 def random_prompts(cfg: ModelConfig, c, rng: np.random.Generator) -> list[list[int]]:
+  if c.checkpoint:
+    return task_prompts(c.checkpoint, c.batch)
   if not 1 <= c.prompt_len_min <= c.prompt_len_max:
     raise ValueError(f"need 1 <= prompt_len_min ({c.prompt_len_min}) <= prompt_len_max "
                      f"({c.prompt_len_max})")
@@ -163,7 +178,8 @@ def main(argv):
     with open(c.output, "w") as fh:
       for row in rows:
         fh.write(json.dumps(row) + "\n")
-  n_layers = load_policy(c)[0].n_layers if c.hf_path else preset(c.model).n_layers
+  n_layers = load_policy(c)[0].n_layers if c.hf_path or c.checkpoint else preset(
+      c.model).n_layers
   print(table(rows, n_layers))
   print(f"# {len(rows)} settings, {time.perf_counter() - start:.0f}s, jax {jax.__version__} on "
         f"{jax.default_backend()}")

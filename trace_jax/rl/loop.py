@@ -162,12 +162,8 @@ def _raise_preempted(signum, frame):
   raise _Preempted(f"signal {signum}")
 
 
-def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
-          log=print) -> dict:
-  """Runs (or resumes) the whole run; returns the summary it prints."""
-  validate(c)
-  os.makedirs(workdir, exist_ok=True)
-  ckpt = Checkpointer(workdir, c.checkpoint.keep)
+def _open(c, workdir: str, ckpt: Checkpointer, log=print):
+  """The run of `c` in `workdir` and its state: fresh, or from the newest checkpoint."""
   start = ckpt.latest_step() or 0
   if start:
     meta = ckpt.meta(start)
@@ -176,17 +172,42 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   else:
     tokenizer = CharTokenizer(make_task(c.task).alphabet())
   run = Run(c, workdir, tokenizer)
-  tokenizer.save(workdir)
-  with open(os.path.join(workdir, "config.json"), "w") as fh:
-    json.dump(_config_json(c), fh, indent=2)
-
   init_key, key = jax.random.split(jax.random.PRNGKey(c.seed))
   state = run.trainer.init_state(init_params(run.cfg, init_key))
   state["key"] = key
   if start:
     state, _ = ckpt.restore(start, state)
     log(f"resumed from step {start} in {ckpt.directory}")
-  state = run.place_state(state)
+  return run, run.place_state(state), start
+
+
+def load_run(workdir: str, data_dir: str | None = None):
+  """A finished (or stopped) run and its newest state, e.g. to evaluate or probe its policy.
+  -> (Run, state, step)"""
+  ckpt = Checkpointer(workdir)
+  step = ckpt.latest_step()
+  if step is None:
+    raise ValueError(f"no checkpoint in {workdir}")
+  c = ml_collections.ConfigDict(ckpt.meta(step)["config"])
+  if data_dir is not None:
+    c.data_dir = data_dir
+  try:
+    return _open(c, workdir, ckpt, log=lambda *_: None)
+  finally:
+    ckpt.close()
+
+
+def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
+          log=print) -> dict:
+  """Runs (or resumes) the whole run; returns the summary it prints."""
+  validate(c)
+  os.makedirs(workdir, exist_ok=True)
+  ckpt = Checkpointer(workdir, c.checkpoint.keep)
+  run, state, start = _open(c, workdir, ckpt, log)
+  tokenizer = run.tok
+  tokenizer.save(workdir)
+  with open(os.path.join(workdir, "config.json"), "w") as fh:
+    json.dump(_config_json(c), fh, indent=2)
   writer = MetricsWriter(workdir, start, tensorboard=c.log.tensorboard)
   total = c.sft.steps + c.rl.steps
 
@@ -211,7 +232,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
         raise FloatingPointError(
             f"train/loss is {metrics['train/loss']} at step {step} ({phase}, mode {c.rl.mode}); "
             f"stopping. The last good checkpoint is step {last} in {ckpt.directory}; lower the "
-            f"learning rate or raise optim.max_grad_norm's strictness before resuming.")
+            f"learning rate or optim.max_grad_norm before resuming.")
       writer.write(step, metrics)
       bar.set_postfix(_postfix(metrics), refresh=False)
       if (step + 1) % c.checkpoint.every == 0 or step + 1 == total:
