@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg by itself
+import numpy as np
 
 MODES = ("bf16", "fp4_rollout", "fp4_qat", "trace", "trace_all")
 COLORS = dict(zip(MODES, ("black", "tab:red", "tab:orange", "tab:blue", "tab:green")))

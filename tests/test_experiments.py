@@ -1,0 +1,42 @@
+"""The ablation script end to end in its smoke setting, and the notebook that reads it."""
+
+import json
+import os
+
+import pytest
+
+from experiments import ablation
+
+pytestmark = pytest.mark.slow  # a few minutes: several short RL runs and a probe
+
+
+def run_notebook(path, out):
+  """Executes the notebook's code cells with OUT pointed at `out`."""
+  scope = {}
+  with open(path) as fh:
+    cells = [c for c in json.load(fh)["cells"] if c["cell_type"] == "code"]
+  for cell in cells:
+    exec("".join(cell["source"]).replace("OUT = 'experiments/results' if",
+                                         f"OUT = {out!r} if"), scope)
+  return scope
+
+
+def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path):
+  out, figs = str(tmp_path / "results"), str(tmp_path / "figures")
+  ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=reasoning",
+                 "--modes=bf16,trace_all", f"--data_dir={tmp_path / 'tfds'}"])
+  with open(os.path.join(out, "summary.json")) as fh:
+    summary = json.load(fh)
+  acc = summary["reasoning"]["final_eval_accuracy"]
+  assert {"bf16", "bf16_bf16", "bf16_posthoc_fp4", "trace_all"} <= set(acc)
+  records = {r["records"] for r in summary["reasoning"]["probe"]}
+  assert records == {"none", "last:1", "last:2", "all"}
+  assert sorted(os.listdir(figs)) == sorted(
+      f"{n}.png" for n in ("reward_vs_step", "kl_vs_step", "flip_rate_vs_step",
+                           "flip_rate_per_layer", "kl_by_position", "record_bytes_vs_kl",
+                           "final_accuracy"))
+  # rerunning skips the finished runs
+  ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=reasoning",
+                 "--modes=bf16", f"--data_dir={tmp_path / 'tfds'}"])
+  scope = run_notebook(os.path.join(os.path.dirname(ablation.__file__), "ablation.ipynb"), out)
+  assert scope["FAMILIES"] == ["reasoning"]
