@@ -1,0 +1,91 @@
+"""Dispatch: `fp4_matmul(x, w, implementation="xla" | "pallas")` and its bf16 twin.
+
+"xla" is the pure-jnp reference and runs anywhere; "pallas" runs the kernel (GPU, or any
+backend with interpret=True). Both accept any leading dims on x and return bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp4_matmul import kernel, reference
+from trace_jax.quant import QArray
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def _check_impl(implementation: str) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+def default_splits(m_tiles: int, n_tiles: int, k_steps: int, cores: int = 132) -> int:
+  """K splits that give every multiprocessor a program (powers of two dividing the steps)."""
+  splits = 1
+  while m_tiles * n_tiles * splits < cores and k_steps % (splits * 2) == 0 and splits < 16:
+    splits *= 2
+  return splits
+
+
+def _rows(x):
+  lead = x.shape[:-1]
+  return x.reshape(math.prod(lead), x.shape[-1]), lead
+
+
+def _pad_rows(x2, block_m):
+  m = x2.shape[0]
+  mp = -(-m // block_m) * block_m
+  return jnp.pad(x2, ((0, mp - m), (0, 0))), m
+
+
+def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m: int = 16,
+               block_n: int = 128, splits: int | None = None, num_warps: int = 4,
+               num_stages: int = 3, interpret: bool = False, poison: bool = False) -> jax.Array:
+  """x [..., K] @ W [K, N] (MXFP4 or per-tensor NVFP4, packed along K) -> [..., N] bf16."""
+  _check_impl(implementation)
+  reference.check_weight(w)
+  k, n = w.shape
+  if x.shape[-1] != k:
+    raise ValueError(f"x has {x.shape[-1]} features, the weight {w.shape} expects {k}")
+  if implementation == "xla":
+    return reference.fp4_matmul(x, w)
+  if n % block_n or k % (2 * kernel.ROWS):
+    raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
+                     f"({k}) divisible by {2 * kernel.ROWS}")
+  x2, lead = _rows(x.astype(jnp.bfloat16))
+  x2, m = _pad_rows(x2, block_m)
+  steps = (k // 2) // kernel.ROWS
+  splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, steps)
+  partials = kernel.fp4_matmul_partials(
+      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, fmt="mxfp4" if w.fmt.name == "mxfp4"
+      else "nvfp4", block_m=block_m, block_n=block_n, splits=splits, num_warps=num_warps,
+      num_stages=num_stages, interpret=interpret, poison=poison)
+  y = jnp.sum(partials, axis=0)[:m]  # NaN here means an unwritten (poisoned) element
+  if w.global_scale is not None:
+    y = y * w.global_scale.reshape(())
+  return y.astype(jnp.bfloat16).reshape(*lead, n)
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "xla", block_m: int = 16,
+                block_n: int = 128, block_k: int = 64, splits: int | None = None,
+                num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
+                poison: bool = False) -> jax.Array:
+  """x [..., K] @ W [K, N] in bf16 with float32 accumulation, by XLA or the Pallas kernel."""
+  _check_impl(implementation)
+  k, n = w.shape
+  if implementation == "xla":
+    return reference.bf16_matmul(x, w)
+  if n % block_n or k % block_k:
+    raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
+                     f"({k}) divisible by block_k ({block_k})")
+  x2, lead = _rows(x.astype(jnp.bfloat16))
+  x2, m = _pad_rows(x2, block_m)
+  splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, k // block_k)
+  partials = kernel.bf16_matmul_partials(
+      x2, w.astype(jnp.bfloat16), block_m=block_m, block_n=block_n, block_k=block_k,
+      splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+      poison=poison)
+  return jnp.sum(partials, axis=0)[:m].astype(jnp.bfloat16).reshape(*lead, n)

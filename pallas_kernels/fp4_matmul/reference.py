@@ -1,0 +1,56 @@
+"""Pure-jnp reference of the FP4 matmul: y = x @ W, W packed FP4 along K with block scales.
+
+The kernel's numerics, written plainly: every block-scaled weight dequantizes exactly to bf16
+(an E2M1 value times an E8M0 power of two, or times an E4M3 scale: at most 6 significant bits),
+the products accumulate in float32, and NVFP4's per-tensor global scale multiplies the float32
+result. The kernel differs from this only in the order of the sums.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.quant import QArray
+from trace_jax.quant.codecs import E2M1, E4M3, exp2i, unpack_nibbles
+
+
+def check_weight(w: QArray) -> None:
+  if not isinstance(w, QArray) or w.codes.ndim != 2 or w.axis != -2:
+    raise ValueError("fp4_matmul expects a [K, N] weight quantized along K (axis 0), got "
+                     f"{type(w).__name__} {getattr(w, 'shape', None)} axis "
+                     f"{getattr(w, 'axis', None)}")
+  if w.fmt.name not in ("mxfp4", "nvfp4_tensor"):
+    raise ValueError(f"fp4_matmul supports MXFP4 and NVFP4 (per-tensor global) weights, got "
+                     f"{w.fmt.name}")
+
+
+def block_scales(w: QArray) -> jax.Array:
+  """float32 [K / block, N] block scales, without NVFP4's global."""
+  s = w.scales.astype(jnp.int32)
+  if w.fmt.name == "mxfp4":
+    return jnp.where(s == 255, jnp.nan, exp2i(jnp.clip(s - 127, -126, 127)))
+  return E4M3.decode(w.scales)
+
+
+def dequantize_bf16(w: QArray) -> tuple[jax.Array, jax.Array]:
+  """-> (bf16 [K, N] weight without the global, float32 global (1.0 for MXFP4))."""
+  check_weight(w)
+  codes = unpack_nibbles(jnp.moveaxis(w.codes, 0, -1))  # [N, K]
+  values = jnp.moveaxis(E2M1.decode(codes), -1, 0)  # [K, N]
+  block = w.fmt.block_size
+  scales = jnp.repeat(block_scales(w), block, axis=0)
+  g = jnp.float32(1.0) if w.global_scale is None else w.global_scale.reshape(())
+  return (values * scales).astype(jnp.bfloat16), g
+
+
+def fp4_matmul(x: jax.Array, w: QArray) -> jax.Array:
+  """x [..., K] (bf16) @ W [K, N] -> [..., N] bf16, float32 accumulation."""
+  w_bf16, g = dequantize_bf16(w)
+  y = jnp.dot(x.astype(jnp.bfloat16), w_bf16, preferred_element_type=jnp.float32)
+  return (y * g).astype(jnp.bfloat16)
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                 preferred_element_type=jnp.float32).astype(jnp.bfloat16)
