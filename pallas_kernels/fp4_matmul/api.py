@@ -42,8 +42,9 @@ def _pad_rows(x2, block_m):
 
 
 def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m: int = 16,
-               block_n: int = 128, splits: int | None = None, num_warps: int = 4,
-               num_stages: int = 3, interpret: bool = False, poison: bool = False) -> jax.Array:
+               block_n: int = 128, splits: int | None = None, rows: int = kernel.ROWS,
+               num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
+               poison: bool = False) -> jax.Array:
   """x [..., K] @ W [K, N] (MXFP4 or per-tensor NVFP4, packed along K) -> [..., N] bf16."""
   _check_impl(implementation)
   reference.check_weight(w)
@@ -52,16 +53,17 @@ def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m:
     raise ValueError(f"x has {x.shape[-1]} features, the weight {w.shape} expects {k}")
   if implementation == "xla":
     return reference.fp4_matmul(x, w)
-  if n % block_n or k % (2 * kernel.ROWS):
-    raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
-                     f"({k}) divisible by {2 * kernel.ROWS}")
+  if n % block_n or k % (2 * rows) or rows % 16:
+    raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}), rows "
+                     f"({rows}) a multiple of 16 and K ({k}) divisible by 2 x rows")
   x2, lead = _rows(x.astype(jnp.bfloat16))
   x2, m = _pad_rows(x2, block_m)
-  steps = (k // 2) // kernel.ROWS
+  steps = (k // 2) // rows
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, steps)
   partials = kernel.fp4_matmul_partials(
       x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, fmt="mxfp4" if w.fmt.name == "mxfp4"
-      else "nvfp4", block_m=block_m, block_n=block_n, splits=splits, num_warps=num_warps,
+      else "nvfp4", block_m=block_m, block_n=block_n, splits=splits, rows=rows,
+      num_warps=num_warps,
       num_stages=num_stages, interpret=interpret, poison=poison)
   y = jnp.sum(partials, axis=0)[:m]  # NaN here means an unwritten (poisoned) element
   if w.global_scale is not None:

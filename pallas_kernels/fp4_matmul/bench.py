@@ -28,33 +28,51 @@ from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
 # decode shapes of the qwen3_30b_a3b preset and the dot of the kernels issue
 SHAPES = {"q_proj 2048x4096": (2048, 4096), "dot 4096x14336": (4096, 14336)}
 BATCHES = (1, 16, 64, 256)
-CONFIGS = [dict(block_n=128, num_warps=4, num_stages=3), dict(block_n=64, num_warps=4, num_stages=4),
-           dict(block_n=256, num_warps=8, num_stages=3)]
+CONFIGS = [dict(block_n=64, rows=16, num_warps=4, num_stages=4),
+           dict(block_n=128, rows=32, num_warps=4, num_stages=3),
+           dict(block_n=64, rows=64, num_warps=4, num_stages=3),
+           dict(block_n=256, rows=32, num_warps=8, num_stages=3)]
 
 
 def _time(matmul, x, weights, reps: int = 7) -> float:
-  """Median seconds per matmul: one jitted call runs it over every weight copy in a scan (one
-  dispatch, weights rotating through more than the L2 cache), summing the outputs so nothing
-  is skipped."""
-  stacked = jax.tree.map(lambda *a: jnp.stack(a), *weights)
+  """Median seconds per matmul: one jitted call runs it once on each weight copy (separate
+  buffers, together larger than the L2 cache; one dispatch), summing the outputs so that
+  nothing is skipped."""
 
   @jax.jit
   def loop(x, ws):
-    def body(total, w):
-      return total + jnp.sum(matmul(x, w).astype(jnp.float32)), None
-    return jax.lax.scan(body, jnp.zeros((), jnp.float32), ws)[0]
+    return sum(jnp.sum(matmul(x, w).astype(jnp.float32)) for w in ws)
 
-  jax.block_until_ready(loop(x, stacked))
+  jax.block_until_ready(loop(x, weights))
   samples = []
   for _ in range(reps):
     start = time.perf_counter()
-    jax.block_until_ready(loop(x, stacked))
+    jax.block_until_ready(loop(x, weights))
     samples.append((time.perf_counter() - start) / len(weights))
   return statistics.median(samples)
 
 
 def copy_bandwidth(gib: float = 2.0, reps: int = 7) -> float:
-  """Bytes read plus written per second by a large elementwise pass (one read, one write)."""
+  """Bytes read plus written per second by a large device-to-device copy (PyTorch's copy_
+  where torch sees the GPU, else an XLA elementwise pass)."""
+  try:
+    import torch
+    if torch.cuda.is_available():
+      src = torch.randn(int(gib * 2**30) // 4, device="cuda")
+      dst = torch.empty_like(src)
+      dst.copy_(src)
+      torch.cuda.synchronize()
+      samples = []
+      for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+      return 2 * src.numel() * 4 / statistics.median(samples)
+  except ImportError:
+    pass
   x = jax.random.normal(jax.random.PRNGKey(1), (int(gib * 2**30) // 4,), jnp.float32)
   f = jax.jit(lambda a: a * 1.0001)
   jax.block_until_ready(f(x))
@@ -154,7 +172,8 @@ def table(result: dict) -> str:
            f"{'shape':18s} {'M':>4s} {'variant':34s} {'us':>9s} {'GB/s':>8s} {'%copy':>6s} "
            f"{'rel err':>8s}"]
   for r in result["rows"]:
-    cfg = f" n{r['block_n']}w{r['num_warps']}s{r['num_stages']}" if "block_n" in r else ""
+    cfg = (f" n{r['block_n']}r{r['rows']}w{r['num_warps']}s{r['num_stages']}"
+           if "block_n" in r else "")
     lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:34s} {r['us']:9.1f} "
                  f"{r['GB/s']:8.0f} {100 * r['copy_frac']:6.1f} {r['rel_err']:8.1e}")
   return "\n".join(lines + [f"ERROR {e}" for e in errors[:10]])

@@ -6,8 +6,9 @@ gather on the small activation) turns the nibble interleave into two dots:
 
     y = x_e @ dec(codes & 15) + x_o @ dec(codes >> 4)
 
-Each step of the K loop takes 16 packed rows (32 K values: one MXFP4 block, two NVFP4 blocks),
-decodes them to exact bf16 (E2M1 x scale) and issues the two dots with float32 accumulation.
+Each step of the K loop takes `rows` packed rows (16 rows: 32 K values, one MXFP4 block or two
+NVFP4 blocks), builds their exact bf16 values from bits (E2M1 x scale) and issues the two dots
+with float32 accumulation.
 The grid is (N tiles, M tiles, K splits): decode batches are small, so the K range is split to
 give every multiprocessor work; the splits' float32 partials are summed outside.
 """
@@ -20,53 +21,65 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-ROWS = 16  # packed rows per step: the smallest bf16 dot depth
+ROWS = 16  # packed rows per K step by default; 16 is the smallest bf16 dot depth
 
 
-def e2m1(codes):
-  """4-bit E2M1 codes (int32) -> float32, by arithmetic (no table lookups in the kernel)."""
+def e2m1_bf16(codes):
+  """4-bit E2M1 codes (int32) -> bf16 by building the bits: E2M1's exponent and mantissa sit
+  next to each other, so for magnitude codes m >= 2 the bf16 pattern is 0x3F00 + (m << 6);
+  m = 1 is 0.5 (0x3F00) and m = 0 is zero. A few integer operations, no table, no float math."""
   m = codes & 7
-  big = jnp.left_shift(1, m >> 1).astype(jnp.float32) * (2 + (m & 1)).astype(jnp.float32) * 0.25
-  mag = jnp.where(m < 2, m.astype(jnp.float32) * 0.5, big)
-  return jnp.where((codes & 8) != 0, -mag, mag)
+  bits = jnp.where(m > 1, (m << 6) + 0x3F00, m * 0x3F00) | ((codes & 8) << 12)
+  return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
-def e8m0(s):
-  """E8M0 scale bytes (int32) -> float32 2^(s - 127) (byte 0 flushes to 0; 255 is not finite)."""
-  return jax.lax.bitcast_convert_type(jnp.left_shift(s, 23), jnp.float32)
+def e8m0_bf16(s):
+  """E8M0 scale bytes (int32) -> bf16 2^(s - 127): the byte is bf16's exponent field."""
+  return jax.lax.bitcast_convert_type((s << 7).astype(jnp.uint16), jnp.bfloat16)
 
 
-def e4m3(s):
-  return jax.lax.bitcast_convert_type(s.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+def e4m3_bf16(s):
+  """E4M3 bytes -> bf16 (exact: E4M3 values, subnormals included, are bf16 values)."""
+  return jax.lax.bitcast_convert_type(s.astype(jnp.uint8), jnp.float8_e4m3fn).astype(
+      jnp.bfloat16)
+
+
+def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n):
+  """The bf16 scale of every packed row of the step, [rows, block_n]: one scale row per
+  `group` packed rows (16 for MXFP4, 8 for NVFP4), selected per row (no reshapes)."""
+  group = 16 if fmt == "mxfp4" else 8
+  decode = e8m0_bf16 if fmt == "mxfp4" else e4m3_bf16
+  load = lambda j: scales_ref[pl.ds(r0 // group + j, 1), pl.ds(n0, block_n)]
+  raw = lambda j: decode(load(j).astype(jnp.int32) if fmt == "mxfp4" else load(j))
+  tile = raw(0)
+  if rows > group:
+    which = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0) // group
+    tile = jnp.broadcast_to(tile, (rows, block_n))
+    for j in range(1, rows // group):
+      tile = jnp.where(which == j, raw(j), tile)
+  return tile
 
 
 def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
-            block_n: int, rows_per_split: int):
+            block_n: int, rows_per_split: int, rows: int):
   out_ref = refs[-1]  # refs[0] is the poisoned output buffer when one is passed (aliased)
   n0 = pl.program_id(0) * block_n
   m0 = pl.program_id(1) * block_m
   base = pl.program_id(2) * rows_per_split
-  group = 16 if fmt == "mxfp4" else 8  # packed rows per scale row
 
   def step(i, acc):
-    r0 = base + i * ROWS
-    codes = codes_ref[pl.ds(r0, ROWS), pl.ds(n0, block_n)].astype(jnp.int32)
-    if fmt == "mxfp4":
-      scale = e8m0(scales_ref[pl.ds(r0 // group, 1), pl.ds(n0, block_n)].astype(jnp.int32))
-    else:  # two NVFP4 blocks per step: rows 0-7 take the first scale row, 8-15 the second
-      first = e4m3(scales_ref[pl.ds(r0 // group, 1), pl.ds(n0, block_n)])
-      second = e4m3(scales_ref[pl.ds(r0 // group + 1, 1), pl.ds(n0, block_n)])
-      rows = jax.lax.broadcasted_iota(jnp.int32, (ROWS, block_n), 0)
-      scale = jnp.where(rows < group, first, second)
-    w_even = (e2m1(codes & 15) * scale).astype(jnp.bfloat16)
-    w_odd = (e2m1(codes >> 4) * scale).astype(jnp.bfloat16)
-    xe = xe_ref[pl.ds(m0, block_m), pl.ds(r0, ROWS)]
-    xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, ROWS)]
+    r0 = base + i * rows
+    codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)].astype(jnp.int32)
+    scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
+    w_even = e2m1_bf16(codes & 15) * scale  # exact: at most 6 significant bits
+    w_odd = e2m1_bf16(codes >> 4) * scale
+    xe = xe_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
+    xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
     acc += jnp.dot(xe, w_even, preferred_element_type=jnp.float32)
     return acc + jnp.dot(xo, w_odd, preferred_element_type=jnp.float32)
 
   acc = jnp.zeros((block_m, block_n), jnp.float32)
-  out_ref[...] = jax.lax.fori_loop(0, rows_per_split // ROWS, step, acc)
+  out_ref[...] = jax.lax.fori_loop(0, rows_per_split // rows, step, acc)
 
 
 def _bf16_kernel(x_ref, w_ref, *refs, block_m: int, block_n: int, block_k: int,
@@ -109,16 +122,17 @@ def _call(kernel, inputs, out_shape, grid, block_m, block_n, num_warps, num_stag
       interpret=interpret)(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_m", "block_n", "splits", "num_warps",
-                                             "num_stages", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("fmt", "block_m", "block_n", "splits", "rows",
+                                             "num_warps", "num_stages", "interpret", "poison"))
 def fp4_matmul_partials(xe, xo, codes, scales, *, fmt: str, block_m: int = 16,
-                        block_n: int = 128, splits: int = 1, num_warps: int = 4,
-                        num_stages: int = 3, interpret: bool = False, poison: bool = False):
+                        block_n: int = 128, splits: int = 1, rows: int = ROWS,
+                        num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
+                        poison: bool = False):
   """-> float32 [splits, M, N] partial products (M a multiple of block_m)."""
   m, k2 = xe.shape
   n = codes.shape[1]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
-                             rows_per_split=k2 // splits)
+                             rows_per_split=k2 // splits, rows=rows)
   return _call(kernel, (xe, xo, codes, scales), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), block_m, block_n, num_warps, num_stages,
                interpret, poison)

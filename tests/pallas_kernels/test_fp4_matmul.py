@@ -38,10 +38,12 @@ def test_reference_is_the_dequantized_matmul(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("m,k,n,splits", [(1, 256, 128, 1), (5, 512, 256, 4), (33, 96, 128, 1)])
-def test_kernel_in_interpret_mode(fmt, m, k, n, splits):
+@pytest.mark.parametrize("m,k,n,splits,rows", [(1, 256, 128, 1, 16), (5, 512, 256, 4, 32),
+                                               (33, 96, 128, 1, 16), (2, 256, 128, 2, 64)])
+def test_kernel_in_interpret_mode(fmt, m, k, n, splits, rows):
   x, w = inputs(m * k, m, k, n, fmt)
-  got = fp4_matmul(x, w, implementation="pallas", splits=splits, interpret=True, poison=True)
+  got = fp4_matmul(x, w, implementation="pallas", splits=splits, rows=rows, interpret=True,
+                   poison=True)
   want = fp4_matmul(x, w)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 2e-3  # bf16 output rounding and the order of the float32 sums
@@ -75,9 +77,10 @@ def test_leading_dims_and_errors():
 def test_kernel_on_gpu(fmt, m, k, n):
   for seed in range(2):  # fresh inputs each time
     x, w = inputs(seed * 7919 + m, m, k, n, fmt)
-    got = fp4_matmul(x, w, implementation="pallas", poison=True)
-    assert not np.isnan(np.asarray(got, np.float32)).any()
-    assert rel(got, fp4_matmul(x, w)) < 2e-3
+    for rows in (16, 32, 64):
+      got = fp4_matmul(x, w, implementation="pallas", rows=rows, poison=True)
+      assert not np.isnan(np.asarray(got, np.float32)).any()
+      assert rel(got, fp4_matmul(x, w)) < 2e-3
   got = bf16_matmul(x, w.codes.astype(jnp.bfloat16)[:k // 2].repeat(2, 0), implementation="pallas",
                     poison=True)
   assert not np.isnan(np.asarray(got, np.float32)).any()
