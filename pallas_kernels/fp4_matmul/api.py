@@ -22,10 +22,11 @@ def _check_impl(implementation: str) -> None:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
-def default_splits(m_tiles: int, n_tiles: int, k_steps: int, cores: int = 132) -> int:
-  """K splits that give every multiprocessor a program (powers of two dividing the steps)."""
+def default_splits(m_tiles: int, n_tiles: int, k_steps: int, programs: int = 4 * 132) -> int:
+  """K splits that give each of the H200's 132 multiprocessors several programs (powers of two
+  dividing the K steps, at most 16): decode-sized M leaves too few tiles otherwise."""
   splits = 1
-  while m_tiles * n_tiles * splits < cores and k_steps % (splits * 2) == 0 and splits < 16:
+  while m_tiles * n_tiles * splits < programs and k_steps % (splits * 2) == 0 and splits < 16:
     splits *= 2
   return splits
 

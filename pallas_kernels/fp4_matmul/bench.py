@@ -28,6 +28,10 @@ from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
 # decode shapes of the qwen3_30b_a3b preset and the dot of the kernels issue
 SHAPES = {"q_proj 2048x4096": (2048, 4096), "dot 4096x14336": (4096, 14336)}
 BATCHES = (1, 16, 64, 256)
+SWEEP = [dict(block_n=bn, rows=r, num_warps=w, num_stages=st, splits=sp)
+         for bn, r, w, st, sp in [(64, 16, 4, 4, None), (64, 32, 4, 4, 8), (128, 32, 4, 4, 8),
+                                  (128, 64, 4, 3, 4), (256, 32, 8, 4, 4), (64, 64, 2, 4, 8),
+                                  (32, 64, 2, 4, 16), (128, 16, 4, 5, 16)]]
 CONFIGS = [dict(block_n=64, rows=16, num_warps=4, num_stages=4),
            dict(block_n=128, rows=32, num_warps=4, num_stages=3),
            dict(block_n=64, rows=64, num_warps=4, num_stages=3),
@@ -113,11 +117,15 @@ def torch_time(m: int, k: int, n: int, copies: int) -> float | None:
   return statistics.median(samples)
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int] | None = None,
+        configs: list[dict] | None = None) -> dict:
   key = jax.random.PRNGKey(0)
   result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "copy_bytes_per_s": copy_bandwidth(0.5 if quick else 2.0), "rows": []}
-  shapes = dict(list(SHAPES.items())[:1]) if quick else SHAPES
+  shapes = {k: v for k, v in SHAPES.items() if not shapes or k.split()[0] in shapes}
+  if quick:
+    shapes = dict(list(shapes.items())[:1])
+  configs = configs or (CONFIGS[:1] if quick else CONFIGS)
   for name, (k, n) in shapes.items():
     copies = max(2, int(np.ceil(200e6 / (k * n * 2))))  # > L2 even in bf16
     kw, kx = jax.random.split(jax.random.fold_in(key, k * n))
@@ -125,7 +133,7 @@ def run(quick: bool = False) -> dict:
     w16 = [w.astype(jnp.bfloat16) for w in w32]
     packed = {f.name: [quantize(w, f, axis=0) for w in w32] for f in (MXFP4, NVFP4_TENSOR)}
     del w32
-    for m in (BATCHES[:2] if quick else BATCHES):
+    for m in batches or (BATCHES[:2] if quick else BATCHES):
       x = jax.random.normal(jax.random.fold_in(kx, m), (m, k), jnp.bfloat16)
       io_bytes = (m * k + m * n) * 2
 
@@ -155,7 +163,7 @@ def run(quick: bool = False) -> dict:
         wbytes = ws[0].nbytes
         ref = reference.fp4_matmul(x, ws[0])
         record(f"xla {fmt} dequant+dot", _time(reference.fp4_matmul, x, ws), wbytes, 0.0)
-        for cfg in CONFIGS[:1] if quick else CONFIGS:
+        for cfg in configs:
           if n % cfg["block_n"]:
             continue
           p = lambda a, b, cfg=cfg: api.fp4_matmul(a, b, implementation="pallas", **cfg)
@@ -163,6 +171,40 @@ def run(quick: bool = False) -> dict:
               f"pallas {fmt}", _time(p, x, ws), wbytes, _rel(jax.jit(p)(x, ws[0]), ref),
               dict(cfg)), f"pallas {fmt} {cfg}")
   return result
+
+
+BF16_SWEEP = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, splits=sp)
+              for bn, bk, w, st, sp in [(64, 64, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1),
+                                        (32, 256, 4, 4, 2), (128, 128, 8, 4, 1),
+                                        (64, 256, 8, 4, 4), (32, 512, 4, 3, 4),
+                                        (128, 256, 8, 3, 2), (16, 512, 4, 4, 8)]]
+
+
+def overhead_and_bf16_sweep(batches=(1, 16)) -> dict:
+  """What the timing harness costs (a matmul that returns zeros), and how close the bf16
+  kernel's memory pipeline gets to the copy bandwidth over tile shapes."""
+  k, n = SHAPES["dot 4096x14336"]
+  copies = 4
+  ws = [(jax.random.normal(jax.random.PRNGKey(i), (k, n)) * 0.05).astype(jnp.bfloat16)
+        for i in range(copies)]
+  out = {"rows": []}
+  for m in batches:
+    x = jax.random.normal(jax.random.PRNGKey(99), (m, k), jnp.bfloat16)
+    null = lambda a, b: jnp.zeros((a.shape[0], b.shape[1]), jnp.bfloat16) + a[:, :1]
+    out["rows"].append({"M": m, "variant": "harness (zeros)", "us": _time(null, x, ws) * 1e6})
+    out["rows"].append({"M": m, "variant": "xla bf16",
+                        "us": _time(reference.bf16_matmul, x, ws) * 1e6})
+    for cfg in BF16_SWEEP:
+      fn = lambda a, b, cfg=cfg: api.bf16_matmul(a, b, implementation="pallas", **cfg)
+      try:
+        out["rows"].append({"M": m, "variant": "pallas bf16", **cfg,
+                            "us": _time(fn, x, ws) * 1e6})
+      except Exception as e:  # noqa: BLE001
+        out["rows"].append({"M": m, "variant": f"pallas bf16 {cfg} failed: {str(e)[:200]}"})
+  for r in out["rows"]:
+    if "us" in r:
+      r["GB/s"] = (k * n * 2 + (r["M"] * (k + n)) * 2) / r["us"] / 1e3
+  return out
 
 
 def table(result: dict) -> str:
@@ -173,7 +215,7 @@ def table(result: dict) -> str:
            f"{'rel err':>8s}"]
   for r in result["rows"]:
     cfg = (f" n{r['block_n']}r{r['rows']}w{r['num_warps']}s{r['num_stages']}"
-           if "block_n" in r else "")
+           f"{'k' + str(r['splits']) if r.get('splits') else ''}" if "block_n" in r else "")
     lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:34s} {r['us']:9.1f} "
                  f"{r['GB/s']:8.0f} {100 * r['copy_frac']:6.1f} {r['rel_err']:8.1e}")
   return "\n".join(lines + [f"ERROR {e}" for e in errors[:10]])
@@ -183,8 +225,21 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--shapes", default="", help="comma-separated shape names (q_proj, dot)")
+  parser.add_argument("--batches", default="", help="comma-separated M values")
+  parser.add_argument("--sweep", action="store_true", help="a wider sweep of tile configs")
+  parser.add_argument("--bf16_sweep", action="store_true",
+                      help="only the harness overhead and a bf16 tile sweep on the big dot")
   args = parser.parse_args()
-  result = run(args.quick)
+  if args.bf16_sweep:
+    out = overhead_and_bf16_sweep()
+    with open(os.path.join(args.out, "bf16_sweep.json"), "w") as fh:
+      json.dump(out, fh, indent=1)
+    for r in out["rows"]:
+      print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()})
+    return
+  result = run(args.quick, [s for s in args.shapes.split(",") if s],
+               [int(b) for b in args.batches.split(",") if b], SWEEP if args.sweep else None)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "fp4_matmul_bench.json"), "w") as fh:
     json.dump(result, fh, indent=1)

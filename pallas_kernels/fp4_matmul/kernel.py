@@ -67,8 +67,10 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
   m0 = pl.program_id(1) * block_m
   base = pl.program_id(2) * rows_per_split
 
+  n0 = pl.multiple_of(n0, block_n)  # alignment hints: lets Triton vectorize the loads
+
   def step(i, acc):
-    r0 = base + i * rows
+    r0 = pl.multiple_of(base + i * rows, rows)
     codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)].astype(jnp.int32)
     scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
     w_even = e2m1_bf16(codes & 15) * scale  # exact: at most 6 significant bits
@@ -89,8 +91,10 @@ def _bf16_kernel(x_ref, w_ref, *refs, block_m: int, block_n: int, block_k: int,
   m0 = pl.program_id(1) * block_m
   base = pl.program_id(2) * k_per_split
 
+  n0 = pl.multiple_of(n0, block_n)
+
   def step(i, acc):
-    k0 = base + i * block_k
+    k0 = pl.multiple_of(base + i * block_k, block_k)
     x = x_ref[pl.ds(m0, block_m), pl.ds(k0, block_k)]
     w = w_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
     return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
