@@ -46,10 +46,29 @@ def _seeds(out, family, mode):
       d) else []
 
 
+def _panels(families):
+  """One axis per family, side by side."""
+  fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 3.4), squeeze=False)
+  return fig, list(zip(axes[0], families))
+
+
+def _finish(fig, axes_families, xlabel, ylabel, log=False):
+  for ax, family in axes_families:
+    ax.set_title(family)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if log:
+      ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+  axes_families[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  return fig
+
+
 def curves(out: str, families, key: str, ylabel: str, log: bool = False, smooth: int = 20):
   """One panel per family: `key` against step for every mode (mean over seeds, smoothed)."""
-  fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 3.4), squeeze=False)
-  for ax, family in zip(axes[0], families):
+  fig, panels = _panels(families)
+  for ax, family in panels:
     for mode in MODES:
       runs = [_series(load_metrics(out, family, mode, s), key) for s in _seeds(out, family, mode)]
       runs = [r for r in runs if len(r[0])]
@@ -59,21 +78,13 @@ def curves(out: str, families, key: str, ylabel: str, log: bool = False, smooth:
       x, y = runs[0][0][:n], np.mean([r[1][:n] for r in runs], axis=0)
       ys = _smooth(y, smooth)
       ax.plot(x[len(x) - len(ys):], ys, color=COLORS[mode], label=mode, lw=1.5)
-    ax.set_title(family)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    if log:
-      ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=8)
-  fig.tight_layout()
-  return fig
+  return _finish(fig, panels, "step", ylabel, log)
 
 
 def flip_rate_per_layer(out: str, families):
   """Mean flip rate of each layer's quantized sites over the run's diagnostic steps."""
-  fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 3.4), squeeze=False)
-  for ax, family in zip(axes[0], families):
+  fig, panels = _panels(families)
+  for ax, family in panels:
     modes = [m for m in MODES if m != "bf16" and load_metrics(out, family, m)]
     for j, mode in enumerate(modes):
       rows = [r for r in load_metrics(out, family, mode) if "mismatch/flip_rate" in r]
@@ -83,19 +94,13 @@ def flip_rate_per_layer(out: str, families):
                for i in layers]
       width = 0.8 / max(len(modes), 1)
       ax.bar(np.array(layers) + j * width, rates, width, color=COLORS[mode], label=mode)
-    ax.set_title(family)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("flip rate")
-    ax.grid(alpha=0.3, axis="y")
-  axes[0][0].legend(fontsize=8)
-  fig.tight_layout()
-  return fig
+  return _finish(fig, panels, "layer", "flip rate")
 
 
 def kl_by_position(out: str, families, last: int = 100):
   """mismatch/kl_k3_by_position over the last `last` RL steps, per mode."""
-  fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 3.4), squeeze=False)
-  for ax, family in zip(axes[0], families):
+  fig, panels = _panels(families)
+  for ax, family in panels:
     for mode in MODES:
       rows = [r for r in load_metrics(out, family, mode)
               if r.get("mismatch/kl_k3_by_position")][-last:]
@@ -106,20 +111,14 @@ def kl_by_position(out: str, families, last: int = 100):
       y = np.nanmean(buckets, axis=0)
       x = (np.arange(len(y)) + 0.5) / len(y)
       ax.plot(x, np.maximum(y, 1e-12), "o-", color=COLORS[mode], label=mode)
-    ax.set_title(family)
-    ax.set_xlabel("response position (fraction of the response)")
-    ax.set_ylabel("KL (k3)")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=8)
-  fig.tight_layout()
-  return fig
+  return _finish(fig, panels, "response position (fraction of the response)", "KL (k3)",
+                 log=True)
 
 
 def bytes_vs_kl(summary: dict, families):
   """Record bytes per token against the KL they buy (probe of the trained trace_all policy)."""
-  fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 3.4), squeeze=False)
-  for ax, family in zip(axes[0], families):
+  fig, panels = _panels(families)
+  for ax, family in panels:
     rows = summary.get(family, {}).get("probe", [])
     for replay, marker in ((False, "o"), (True, "s")):
       pts = [(r["record/bytes_per_token"], r["mismatch/kl_k3"], r["records"]) for r in rows
@@ -127,18 +126,12 @@ def bytes_vs_kl(summary: dict, families):
       if not pts:
         continue
       x, y, labels = zip(*pts)
-      ax.plot(x, np.maximum(y, 1e-12), marker + "-", label=f"routing replay {'on' if replay else 'off'}")
+      ax.plot(x, np.maximum(y, 1e-12), marker + "-",
+              label=f"routing replay {'on' if replay else 'off'}")
       for xi, yi, label in zip(x, y, labels):
         ax.annotate(label, (xi, max(yi, 1e-12)), fontsize=7, textcoords="offset points",
                     xytext=(3, 3))
-    ax.set_title(family)
-    ax.set_xlabel("record bytes per token")
-    ax.set_ylabel("KL (k3)")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=8)
-  fig.tight_layout()
-  return fig
+  return _finish(fig, panels, "record bytes per token", "KL (k3)", log=True)
 
 
 def final_accuracy(summary: dict, families):

@@ -16,7 +16,7 @@ import random
 import numpy as np
 import tensorflow_datasets as tfds
 
-from trace_jax.tasks import sandbox
+from trace_jax.tasks import datasets, sandbox
 from trace_jax.tasks.base import Record
 
 # function families: name -> (body template, number of parameters, parameter ranges)
@@ -27,19 +27,12 @@ FAMILIES = {
 }
 
 
-def _text(v) -> str:
-  return v.decode() if isinstance(v, bytes) else str(v)
-
-
 @dataclasses.dataclass(eq=False)
-class SynthesisBuilderConfig(tfds.core.BuilderConfig):
+class SynthesisBuilderConfig(datasets.SplitsConfig):
   families: str = "linear"
-  train_size: int = 4000
-  eval_size: int = 200
-  seed: int = 0
 
 
-class FunctionSynthesis(tfds.core.GeneratorBasedBuilder):
+class FunctionSynthesis(datasets.FixedSplitsBuilder):
   """Integer functions to synthesize from examples, with hidden tests."""
 
   VERSION = tfds.core.Version("1.0.0")
@@ -48,11 +41,6 @@ class FunctionSynthesis(tfds.core.GeneratorBasedBuilder):
     return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
         "examples": tfds.features.Text(), "reference": tfds.features.Text(),
         "tests": tfds.features.Text(), "index": np.int64}))
-
-  def _split_generators(self, dl_manager):
-    c = self.builder_config
-    return {"train": self._generate_examples(c.train_size, c.seed),
-            "eval": self._generate_examples(c.eval_size, c.seed + 1)}
 
   def _generate_examples(self, size: int, seed: int):
     rng = random.Random(seed)
@@ -90,23 +78,20 @@ class FunctionSynthesisTask:
     return f"coding/{self.families}"
 
   def prepare(self, data_dir: str | None):
-    tfds.disable_progress_bar()
     config = SynthesisBuilderConfig(
         name=f"{self.families.replace(',', '_')}_{self.train_size}_{self.eval_size}_{self.seed}",
         families=self.families, train_size=self.train_size, eval_size=self.eval_size,
         seed=self.seed)
-    builder = FunctionSynthesis(config=config, data_dir=data_dir, file_format="array_record")
-    builder.download_and_prepare()
-    return {split: builder.as_data_source(split=split) for split in ("train", "eval")}
+    return datasets.prepare(FunctionSynthesis, config, data_dir)
 
   def prompt(self, record: Record) -> str:
-    return ",".join(f"f({x})={y}" for x, y in json.loads(_text(record["examples"]))) + ":"
+    return ",".join(f"f({x})={y}" for x, y in json.loads(datasets.text(record["examples"]))) + ":"
 
   def target(self, record: Record) -> str:
-    return _text(record["reference"])
+    return datasets.text(record["reference"])
 
   def program(self, record: Record, completion: str) -> str:
-    tests = json.loads(_text(record["tests"]))
+    tests = json.loads(datasets.text(record["tests"]))
     checks = "\n".join(f"assert f({x}) == {y}" for x, y in tests)
     return f"def f(x):\n  return ({completion})\n{checks}\n"
 

@@ -20,24 +20,18 @@ import random
 import numpy as np
 import tensorflow_datasets as tfds
 
+from trace_jax.tasks import datasets
 from trace_jax.tasks.base import Record, Turn
 
 OBS_LEN = 4  # "y+7>"
 
 
-def _text(v) -> str:
-  return v.decode() if isinstance(v, bytes) else str(v)
-
-
 @dataclasses.dataclass(eq=False)
-class EpisodeBuilderConfig(tfds.core.BuilderConfig):
+class EpisodeBuilderConfig(datasets.SplitsConfig):
   turns: int = 32
-  train_size: int = 2000
-  eval_size: int = 100
-  seed: int = 0
 
 
-class RunningSumEpisodes(tfds.core.GeneratorBasedBuilder):
+class RunningSumEpisodes(datasets.FixedSplitsBuilder):
   """Episode specs: a start value and one signed digit per turn."""
 
   VERSION = tfds.core.Version("1.0.0")
@@ -45,11 +39,6 @@ class RunningSumEpisodes(tfds.core.GeneratorBasedBuilder):
   def _info(self):
     return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
         "start": np.int64, "ops": tfds.features.Text(), "index": np.int64}))
-
-  def _split_generators(self, dl_manager):
-    c = self.builder_config
-    return {"train": self._generate_examples(c.train_size, c.seed),
-            "eval": self._generate_examples(c.eval_size, c.seed + 1)}
 
   def _generate_examples(self, size: int, seed: int):
     rng = random.Random(seed)
@@ -89,16 +78,13 @@ class RunningSumTask:
   observation_len = OBS_LEN
 
   def prepare(self, data_dir: str | None):
-    tfds.disable_progress_bar()
     config = EpisodeBuilderConfig(
         name=f"t{self.turns}_{self.train_size}_{self.eval_size}_{self.seed}", turns=self.turns,
         train_size=self.train_size, eval_size=self.eval_size, seed=self.seed)
-    builder = RunningSumEpisodes(config=config, data_dir=data_dir, file_format="array_record")
-    builder.download_and_prepare()
-    return {split: builder.as_data_source(split=split) for split in ("train", "eval")}
+    return datasets.prepare(RunningSumEpisodes, config, data_dir)
 
   def _ops(self, record: Record) -> list[int]:
-    ops = json.loads(_text(record["ops"]))
+    ops = json.loads(datasets.text(record["ops"]))
     if len(ops) < self.turns:
       raise ValueError(f"episode has {len(ops)} operations, the task needs {self.turns}")
     return ops[:self.turns]

@@ -19,6 +19,7 @@ import numpy as np
 import reasoning_gym
 import tensorflow_datasets as tfds
 
+from trace_jax.tasks import datasets
 from trace_jax.tasks.base import Record
 
 # generators a small policy trained from scratch can learn, with the knobs that set difficulty
@@ -26,15 +27,12 @@ SUPPORTED = ("chain_sum", "basic_arithmetic")
 
 
 @dataclasses.dataclass(eq=False)
-class GymBuilderConfig(tfds.core.BuilderConfig):
+class GymBuilderConfig(datasets.SplitsConfig):
   dataset: str = "chain_sum"
   options: str = "{}"  # JSON of the generator's config (min_terms, max_digits, ...)
-  train_size: int = 5000
-  eval_size: int = 256
-  seed: int = 0
 
 
-class ReasoningGymPrompts(tfds.core.GeneratorBasedBuilder):
+class ReasoningGymPrompts(datasets.FixedSplitsBuilder):
   """Fixed train/eval sets drawn from a reasoning-gym generator."""
 
   VERSION = tfds.core.Version("1.0.0")
@@ -44,21 +42,12 @@ class ReasoningGymPrompts(tfds.core.GeneratorBasedBuilder):
         "question": tfds.features.Text(), "answer": tfds.features.Text(),
         "entry": tfds.features.Text(), "index": np.int64}))
 
-  def _split_generators(self, dl_manager):
-    c = self.builder_config
-    return {"train": self._generate_examples(c.train_size, c.seed),
-            "eval": self._generate_examples(c.eval_size, c.seed + 1)}
-
   def _generate_examples(self, size: int, seed: int):
     c = self.builder_config
     ds = reasoning_gym.create_dataset(c.dataset, seed=seed, size=size, **json.loads(c.options))
     for i, entry in enumerate(ds):
       yield i, {"question": entry["question"], "answer": entry["answer"],
                 "entry": json.dumps(entry), "index": i}
-
-
-def _text(v) -> str:
-  return v.decode() if isinstance(v, bytes) else str(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,33 +79,26 @@ class ReasoningTask:
   def name(self) -> str:
     return f"reasoning/{self.dataset}"
 
-  def builder(self, data_dir: str) -> ReasoningGymPrompts:
+  def prepare(self, data_dir: str | None) -> dict[str, Any]:
     opts = json.dumps(dict(self.options), sort_keys=True)
     # the config name is a digest of everything that shapes the data: same task, same files
     tag = hashlib.sha1(f"{opts}|{self.train_size}|{self.eval_size}|{self.seed}".encode())
     config = GymBuilderConfig(name=f"{self.dataset}_{tag.hexdigest()[:10]}", dataset=self.dataset,
                               options=opts, train_size=self.train_size,
                               eval_size=self.eval_size, seed=self.seed)
-    return ReasoningGymPrompts(config=config, data_dir=data_dir, file_format="array_record")
-
-  def prepare(self, data_dir: str) -> dict[str, Any]:
-    tfds.disable_progress_bar()
-    builder = self.builder(data_dir)
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        verify_ssl=False))
-    return {split: builder.as_data_source(split=split) for split in ("train", "eval")}
+    return datasets.prepare(ReasoningGymPrompts, config, data_dir)
 
   def prompt(self, record: Record) -> str:
-    entry = json.loads(_text(record["entry"]))
+    entry = json.loads(datasets.text(record["entry"]))
     if self.prompt_style == "question":
       return entry["question"] + "\n"
     return entry["metadata"]["expression"].replace(" ", "") + "="
 
   def target(self, record: Record) -> str:
-    return _text(record["answer"])
+    return datasets.text(record["answer"])
 
   def reward(self, record: Record, completion: str) -> float:
-    entry = json.loads(_text(record["entry"]))
+    entry = json.loads(datasets.text(record["entry"]))
     return float(_score_answer(self.dataset, self.options)(answer=completion.strip(), entry=entry))
 
   def alphabet(self) -> str:
