@@ -87,6 +87,28 @@ def probe(workdir: str) -> list[dict]:
   return mismatch.probe_precision(run.cfg, state["params"], "mxfp4", prompts, pc)
 
 
+def markdown_table(summary: dict, families) -> str:
+  """The RESULTS.md table: one row per family and mode (first seed), plus post-hoc FP4."""
+  f = lambda v, spec: "-" if v is None else spec.format(v)
+  lines = ["| family | mode | reward first -> last | eval acc. (rollout precision) | "
+           "mismatch KL | flip rate | route flips | record B/token |",
+           "|---|---|---|---|---|---|---|---|"]
+  for family in families:
+    acc = summary[family]["final_eval_accuracy"]
+    for key, s in summary[family]["runs"].items():
+      mode = key.split("/")[0]
+      lines.append(
+          f"| {family} | {mode} | {f(s['reward_first'], '{:.3f}')} -> "
+          f"{f(s['reward_last'], '{:.3f}')} | {f(s['eval_accuracy_before_rl'], '{:.3f}')} -> "
+          f"{f(s['eval_accuracy_after'], '{:.3f}')} | {f(s['mismatch_kl_k3'], '{:.1e}')} | "
+          f"{f(s['flip_rate'], '{:.4f}')} | {f(s.get('route_flip_rate'), '{:.4f}')} | "
+          f"{f(s['record_bytes_per_token'], '{:.0f}')} |")
+    if "bf16_posthoc_fp4" in acc:
+      lines.append(f"| {family} | bf16 policy, MXFP4 post hoc | | -> "
+                   f"{f(acc['bf16_posthoc_fp4'], '{:.3f}')} | | | | |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="experiments/results")
@@ -135,6 +157,10 @@ def main(argv=None):
     json.dump(summary, fh, indent=1)
   for path in figures.make_all(args.out, args.figures, families):
     print("wrote", path)
+  table = markdown_table(summary, families)
+  with open(os.path.join(args.out, "table.md"), "w") as fh:
+    fh.write(table + "\n")
+  print(table)
   print(f"done in {summary['runtime_s'] / 60:.1f} min")
 
 

@@ -294,6 +294,7 @@ def summarize(workdir: str, c) -> dict:
       "eval_accuracy_after": evals[-1]["eval/accuracy"] if evals else None,
       "mismatch_kl_k3": mean(rl, "mismatch/kl_k3"),
       "flip_rate": mean(rl, "mismatch/flip_rate"),
+      "route_flip_rate": mean(rl, "mismatch/route_flip_rate"),
       "rollout_tokens_per_s": mean(rl, "rollout/tokens_per_s"),
       "record_bytes_per_token": mean(rl, "record/bytes_per_token"),
   }
