@@ -35,6 +35,8 @@ def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path):
       f"{n}.png" for n in ("reward_vs_step", "kl_vs_step", "flip_rate_vs_step",
                            "flip_rate_per_layer", "kl_by_position", "record_bytes_vs_kl",
                            "final_accuracy"))
+  table = open(os.path.join(out, "table.md")).read()
+  assert "| reasoning | trace_all |" in table and "MXFP4 post hoc" in table
   # rerunning skips the finished runs
   ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=reasoning",
                  "--modes=bf16", f"--data_dir={tmp_path / 'tfds'}"])
