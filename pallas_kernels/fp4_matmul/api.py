@@ -15,6 +15,10 @@ from pallas_kernels.fp4_matmul import kernel, reference
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
+VARIANTS = ("dot", "gemv")
+# up to this many rows the float32 multiply-add kernel would be the default: 0, since on the H200
+# it measured no faster than the dot kernel at M = 1 and 2x slower at M = 4 (BENCHMARKS.md)
+GEMV_MAX_ROWS = 0
 
 
 def _check_impl(implementation: str) -> None:
@@ -43,10 +47,16 @@ def _pad_rows(x2, block_m):
 
 
 def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m: int = 16,
-               block_n: int = 128, splits: int | None = None, rows: int = kernel.ROWS,
-               num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
+               block_n: int = 64, splits: int | None = None, rows: int = 32,
+               num_warps: int = 4, num_stages: int = 4, decode: str | None = None,
+               variant: str | None = None, interpret: bool = False,
                poison: bool = False) -> jax.Array:
-  """x [..., K] @ W [K, N] (MXFP4 or per-tensor NVFP4, packed along K) -> [..., N] bf16."""
+  """x [..., K] @ W [K, N] (MXFP4 or per-tensor NVFP4, packed along K) -> [..., N] bf16.
+
+  `decode` picks how the kernel unpacks FP4: "asm" (PTX, compiled GPU kernels; the default
+  there) or "bits" (jnp integer operations; the default in interpret mode). `variant`: "dot"
+  (matrix instructions over block_m-row tiles) or "gemv" (float32 multiply-adds, M <= 8; the
+  default for M <= GEMV_MAX_ROWS)."""
   _check_impl(implementation)
   reference.check_weight(w)
   k, n = w.shape
@@ -58,14 +68,31 @@ def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}), rows "
                      f"({rows}) a multiple of 16 and K ({k}) divisible by 2 x rows")
   x2, lead = _rows(x.astype(jnp.bfloat16))
-  x2, m = _pad_rows(x2, block_m)
+  variant = variant or ("gemv" if x2.shape[0] <= GEMV_MAX_ROWS else "dot")
+  if variant not in VARIANTS or (variant == "gemv" and x2.shape[0] > 8):
+    raise ValueError(f"variant must be one of {VARIANTS} ('gemv' for at most 8 rows), got "
+                     f"{variant!r} for {x2.shape[0]} rows")
+  fmt = "mxfp4" if w.fmt.name == "mxfp4" else "nvfp4"
+  decode = decode or ("bits" if interpret else "asm")
   steps = (k // 2) // rows
+  if variant == "gemv":
+    x2, m = _pad_rows(x2, 1 << (x2.shape[0] - 1).bit_length())  # a power of two of rows
+    splits = splits or default_splits(1, n // block_n, steps)
+    partials = kernel.fp4_gemv_partials(
+        x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales, fmt=fmt, block_n=block_n,
+        splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages, decode=decode,
+        interpret=interpret, poison=poison)
+    return _finish(partials, m, w, lead, n)
+  x2, m = _pad_rows(x2, block_m)
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, steps)
   partials = kernel.fp4_matmul_partials(
-      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, fmt="mxfp4" if w.fmt.name == "mxfp4"
-      else "nvfp4", block_m=block_m, block_n=block_n, splits=splits, rows=rows,
-      num_warps=num_warps,
-      num_stages=num_stages, interpret=interpret, poison=poison)
+      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, fmt=fmt, block_m=block_m, block_n=block_n,
+      splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages, decode=decode,
+      interpret=interpret, poison=poison)
+  return _finish(partials, m, w, lead, n)
+
+
+def _finish(partials, m, w, lead, n):
   y = jnp.sum(partials, axis=0)[:m]  # NaN here means an unwritten (poisoned) element
   if w.global_scale is not None:
     y = y * w.global_scale.reshape(())

@@ -13,9 +13,11 @@ Writes bench.json and prints a table; the device-to-device copy bandwidth is mea
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -32,20 +34,56 @@ SWEEP = [dict(block_n=bn, rows=r, num_warps=w, num_stages=st, splits=sp)
          for bn, r, w, st, sp in [(64, 16, 4, 4, None), (64, 32, 4, 4, 8), (128, 32, 4, 4, 8),
                                   (128, 64, 4, 3, 4), (256, 32, 8, 4, 4), (64, 64, 2, 4, 8),
                                   (32, 64, 2, 4, 16), (128, 16, 4, 5, 16)]]
-CONFIGS = [dict(block_n=64, rows=16, num_warps=4, num_stages=4),
-           dict(block_n=128, rows=32, num_warps=4, num_stages=3),
-           dict(block_n=64, rows=64, num_warps=4, num_stages=3),
-           dict(block_n=256, rows=32, num_warps=8, num_stages=3)]
+CONFIGS = [dict(block_n=64, rows=16, num_warps=4, num_stages=4, variant="dot"),
+           dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot"),
+           dict(block_n=128, rows=32, num_warps=4, num_stages=3, variant="dot"),
+           dict(block_n=128, rows=16, num_warps=4, num_stages=4, splits=8, variant="gemv")]
+DECODE_SWEEP = [dict(cfg, decode=d, variant="dot") for cfg in SWEEP for d in ("bits", "asm")]
+GEMV_SWEEP = ([dict(block_n=bn, rows=r, num_warps=w, num_stages=st, splits=sp, decode="asm",
+                    variant="gemv")
+               for bn, r, w, st, sp in [(64, 16, 2, 4, 8), (128, 16, 4, 4, 8), (128, 32, 4, 4, 4),
+                                        (256, 16, 4, 4, 4), (256, 32, 8, 3, 4),
+                                        (64, 64, 4, 3, 8), (128, 64, 8, 3, 4), (512, 16, 8, 4, 2),
+                                        (256, 64, 8, 3, 2), (32, 32, 1, 4, 16)]]
+              + [dict(block_n=128, rows=32, num_warps=4, num_stages=4, splits=4, decode="bits",
+                      variant="gemv")]
+              + [dict(c, decode="asm", variant="dot") for c in SWEEP[:3]])
 
 
-def _time(matmul, x, weights, reps: int = 7) -> float:
-  """Median seconds per matmul: one jitted call runs it once on each weight copy (separate
-  buffers, together larger than the L2 cache; one dispatch), summing the outputs so that
-  nothing is skipped."""
+KERNELS: dict[str, float] = {}  # per kernel name: microseconds per call, of the last trace
+
+
+def device_seconds(fn, *args, calls: int = 1) -> float | None:
+  """GPU time of `fn(*args)` from a profiler trace: the summed durations of the kernels it ran on
+  the device's streams, over `calls` (the matmuls in one call of fn), without host dispatch or
+  launch gaps. None where the trace has no GPU plane (CPU). Leaves the split per kernel name in
+  KERNELS."""
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      jax.block_until_ready(fn(*args))
+    [path] = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+    plane = ProfileData.from_file(path).find_plane_with_name("/device:GPU:0")
+    if plane is None:
+      return None
+    lines = [l for l in plane.lines if l.name.startswith("Stream")] or list(plane.lines)
+    KERNELS.clear()
+    for e in (e for l in lines for e in l.events):
+      if not e.name.lower().startswith(("memcpy", "memset")):
+        KERNELS[e.name[:60]] = KERNELS.get(e.name[:60], 0.0) + e.duration_ns / 1e3 / calls
+  return sum(KERNELS.values()) / 1e6
+
+
+def _time(matmul, x, weights, reps: int = 7) -> tuple[float, float | None]:
+  """(wall, device) seconds per matmul. One jitted call runs the matmul once on each weight copy
+  (separate buffers, together larger than the L2 cache; one dispatch) and returns every output.
+  Wall: the median over `reps` calls, host dispatch included (it dominates short kernels);
+  device: the kernels' own time in a profiler trace of one call (`device_seconds`)."""
 
   @jax.jit
   def loop(x, ws):
-    return sum(jnp.sum(matmul(x, w).astype(jnp.float32)) for w in ws)
+    return tuple(matmul(x, w) for w in ws)
 
   jax.block_until_ready(loop(x, weights))
   samples = []
@@ -53,7 +91,7 @@ def _time(matmul, x, weights, reps: int = 7) -> float:
     start = time.perf_counter()
     jax.block_until_ready(loop(x, weights))
     samples.append((time.perf_counter() - start) / len(weights))
-  return statistics.median(samples)
+  return statistics.median(samples), device_seconds(loop, x, weights, calls=len(weights))
 
 
 def copy_bandwidth(gib: float = 2.0, reps: int = 7) -> float:
@@ -118,7 +156,7 @@ def torch_time(m: int, k: int, n: int, copies: int) -> float | None:
 
 
 def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int] | None = None,
-        configs: list[dict] | None = None) -> dict:
+        configs: list[dict] | None = None, formats: list[str] | None = None) -> dict:
   key = jax.random.PRNGKey(0)
   result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "copy_bytes_per_s": copy_bandwidth(0.5 if quick else 2.0), "rows": []}
@@ -127,11 +165,12 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
     shapes = dict(list(shapes.items())[:1])
   configs = configs or (CONFIGS[:1] if quick else CONFIGS)
   for name, (k, n) in shapes.items():
-    copies = max(2, int(np.ceil(200e6 / (k * n * 2))))  # > L2 even in bf16
+    copies = max(4, int(np.ceil(200e6 / (k * n * 2))))  # > L2 even in bf16
     kw, kx = jax.random.split(jax.random.fold_in(key, k * n))
     w32 = [jax.random.normal(jax.random.fold_in(kw, i), (k, n)) * 0.05 for i in range(copies)]
     w16 = [w.astype(jnp.bfloat16) for w in w32]
-    packed = {f.name: [quantize(w, f, axis=0) for w in w32] for f in (MXFP4, NVFP4_TENSOR)}
+    packed = {f.name: [quantize(w, f, axis=0) for w in w32] for f in (MXFP4, NVFP4_TENSOR)
+              if not formats or f.name in formats}
     del w32
     for m in batches or (BATCHES[:2] if quick else BATCHES):
       x = jax.random.normal(jax.random.fold_in(kx, m), (m, k), jnp.bfloat16)
@@ -144,12 +183,18 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
           result.setdefault("errors", []).append(f"{name} M={m} {what}: {type(e).__name__}: "
                                                  f"{str(e)[:300]}")
 
-      def record(variant, seconds, weight_bytes, rel, extra=None):
+      def record(variant, times, weight_bytes, rel, extra=None):
+        wall, device = times
+        seconds = device or wall  # the kernels' own time where the trace has it
         bytes_moved = weight_bytes + io_bytes
+        extra = {("kernel" if key == "variant" else key): v for key, v in (extra or {}).items()}
         result["rows"].append({"shape": name, "M": m, "variant": variant, "us": seconds * 1e6,
+                               "wall_us": wall * 1e6,
                                "GB/s": bytes_moved / seconds / 1e9,
                                "copy_frac": bytes_moved / seconds / result["copy_bytes_per_s"],
-                               "rel_err": rel, **(extra or {})})
+                               "rel_err": rel, "kernels_us": dict(KERNELS) if device else {},
+                               **(extra or {})})
+        print(json.dumps(result["rows"][-1]), flush=True)  # partial results survive a timeout
 
       ref16 = reference.bf16_matmul(x, w16[0])
       record("xla bf16", _time(reference.bf16_matmul, x, w16), k * n * 2, 0.0)
@@ -158,13 +203,13 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
                              _rel(jax.jit(g)(x, w16[0]), ref16)), "pallas bf16")
       t = torch_time(m, k, n, copies)
       if t is not None:
-        record("torch bf16", t, k * n * 2, float("nan"))
+        record("torch bf16", (t, None), k * n * 2, float("nan"))  # CUDA events
       for fmt, ws in packed.items():
         wbytes = ws[0].nbytes
         ref = reference.fp4_matmul(x, ws[0])
         record(f"xla {fmt} dequant+dot", _time(reference.fp4_matmul, x, ws), wbytes, 0.0)
         for cfg in configs:
-          if n % cfg["block_n"]:
+          if n % cfg["block_n"] or (cfg.get("variant") == "gemv" and m > 8):
             continue
           p = lambda a, b, cfg=cfg: api.fp4_matmul(a, b, implementation="pallas", **cfg)
           attempt(lambda p=p, cfg=cfg: record(
@@ -191,14 +236,13 @@ def overhead_and_bf16_sweep(batches=(1, 16)) -> dict:
   for m in batches:
     x = jax.random.normal(jax.random.PRNGKey(99), (m, k), jnp.bfloat16)
     null = lambda a, b: jnp.zeros((a.shape[0], b.shape[1]), jnp.bfloat16) + a[:, :1]
-    out["rows"].append({"M": m, "variant": "harness (zeros)", "us": _time(null, x, ws) * 1e6})
-    out["rows"].append({"M": m, "variant": "xla bf16",
-                        "us": _time(reference.bf16_matmul, x, ws) * 1e6})
+    us = lambda t: {"wall_us": t[0] * 1e6, "us": (t[1] or t[0]) * 1e6}
+    out["rows"].append({"M": m, "variant": "harness (zeros)", **us(_time(null, x, ws))})
+    out["rows"].append({"M": m, "variant": "xla bf16", **us(_time(reference.bf16_matmul, x, ws))})
     for cfg in BF16_SWEEP:
       fn = lambda a, b, cfg=cfg: api.bf16_matmul(a, b, implementation="pallas", **cfg)
       try:
-        out["rows"].append({"M": m, "variant": "pallas bf16", **cfg,
-                            "us": _time(fn, x, ws) * 1e6})
+        out["rows"].append({"M": m, "variant": "pallas bf16", **cfg, **us(_time(fn, x, ws))})
       except Exception as e:  # noqa: BLE001
         out["rows"].append({"M": m, "variant": f"pallas bf16 {cfg} failed: {str(e)[:200]}"})
   for r in out["rows"]:
@@ -207,17 +251,83 @@ def overhead_and_bf16_sweep(batches=(1, 16)) -> dict:
   return out
 
 
+def load_probe(k: int = 4096, n: int = 14336, copies: int = 8) -> list[dict]:
+  """How fast a Pallas/Triton kernel of the FP4 kernel's grid and K loop only *loads* a weight:
+  each step loads a [rows, block_n] tile and xors it into an integer accumulator (one operation
+  per element), for the packed codes as bytes (uint8 [K/2, N]), the same bytes as 32-bit words
+  (uint32 [K/2, N/4]), and a bf16 weight's bits (uint16 [K, N]). A probe of the memory
+  pipeline: if the byte tile alone is slow, the decode is not what limits the FP4 kernel."""
+  from pallas_kernels.fp4_matmul.kernel import _compiler_params
+  from jax.experimental import pallas as pl
+
+  def probe(w, rows, block_n, splits, warps, stages):
+    kr, nc = w.shape
+    per_split = kr // splits
+
+    def kernel(w_ref, o_ref):
+      n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
+      base = pl.program_id(1) * per_split
+
+      def step(i, acc):
+        r0 = pl.multiple_of(base + i * rows, rows)
+        return acc ^ w_ref[pl.ds(r0, rows), pl.ds(n0, block_n)].astype(jnp.int32)
+
+      acc = jax.lax.fori_loop(0, per_split // rows, step, jnp.zeros((rows, block_n), jnp.int32))
+      o_ref[...] = jnp.sum(acc, axis=0, keepdims=True)
+
+    return pl.pallas_call(
+        kernel, grid=(nc // block_n, splits), in_specs=[pl.no_block_spec],
+        out_specs=pl.BlockSpec((None, 1, block_n), lambda i, s: (s, 0, i)),
+        out_shape=jax.ShapeDtypeStruct((splits, 1, nc), jnp.int32),
+        compiler_params=_compiler_params(warps, stages))(w)
+
+  rows_out = []
+  key = jax.random.PRNGKey(3)
+  u8 = [jax.random.randint(jax.random.fold_in(key, i), (k // 2, n), 0, 256).astype(jnp.uint8)
+        for i in range(copies)]
+  weights = {"uint8 codes": u8,
+             "uint32 words": [jax.lax.bitcast_convert_type(c.reshape(k // 2, n // 4, 4),
+                                                           jnp.uint32) for c in u8],
+             "uint16 (bf16 weight)": [jax.random.randint(jax.random.fold_in(key, 99 + i),
+                                                         (k, n), 0, 65535).astype(jnp.uint16)
+                                      for i in range(copies // 2)]}
+  x = jnp.zeros((1,), jnp.float32)
+  for name, ws in weights.items():
+    cols = ws[0].shape[1]
+    for rows, bn, splits, warps, stages in [(16, 128, 8, 4, 4), (32, 128, 8, 4, 4),
+                                            (64, 128, 4, 4, 3), (16, 256, 8, 4, 4),
+                                            (32, 64, 8, 4, 4)]:
+      bn_eff = bn if name != "uint32 words" else bn // 4  # the same bytes per tile as uint8
+      if cols % bn_eff:
+        continue
+      f = lambda a, w, r=rows, b=bn_eff, s=splits, nw=warps, st=stages: probe(w, r, b, s, nw,
+                                                                               st)
+      try:
+        wall, dev = _time(f, x, ws)
+      except Exception as e:  # noqa: BLE001
+        rows_out.append({"probe": name, "error": str(e)[:200]})
+        continue
+      t = dev or wall
+      rows_out.append({"probe": name, "rows": rows, "block_n": bn_eff, "splits": splits,
+                       "num_warps": warps, "num_stages": stages, "us": t * 1e6,
+                       "GB/s": ws[0].nbytes / t / 1e9})
+      print(json.dumps(rows_out[-1]), flush=True)
+  return rows_out
+
+
 def table(result: dict) -> str:
   errors = result.get("errors", [])
   lines = [f"device {result['device']}, jax {result['jax']}, copy "
            f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s",
-           f"{'shape':18s} {'M':>4s} {'variant':34s} {'us':>9s} {'GB/s':>8s} {'%copy':>6s} "
-           f"{'rel err':>8s}"]
+           f"{'shape':18s} {'M':>4s} {'variant':40s} {'us':>9s} {'wall us':>8s} {'GB/s':>8s} "
+           f"{'%copy':>6s} {'rel err':>8s}"]
   for r in result["rows"]:
     cfg = (f" n{r['block_n']}r{r['rows']}w{r['num_warps']}s{r['num_stages']}"
-           f"{'k' + str(r['splits']) if r.get('splits') else ''}" if "block_n" in r else "")
-    lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:34s} {r['us']:9.1f} "
-                 f"{r['GB/s']:8.0f} {100 * r['copy_frac']:6.1f} {r['rel_err']:8.1e}")
+           f"{'k' + str(r['splits']) if r.get('splits') else ''} {r.get('decode', '')} "
+           f"{r.get('kernel', '')}"
+           if "block_n" in r else "")
+    lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:40s} {r['us']:9.1f} "
+                 f"{r['wall_us']:8.1f} {r['GB/s']:8.0f} {100 * r['copy_frac']:6.1f} {r['rel_err']:8.1e}")
   return "\n".join(lines + [f"ERROR {e}" for e in errors[:10]])
 
 
@@ -227,10 +337,21 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--shapes", default="", help="comma-separated shape names (q_proj, dot)")
   parser.add_argument("--batches", default="", help="comma-separated M values")
+  parser.add_argument("--formats", default="", help="comma-separated: mxfp4, nvfp4_tensor")
   parser.add_argument("--sweep", action="store_true", help="a wider sweep of tile configs")
+  parser.add_argument("--decode_sweep", action="store_true",
+                      help="the wide sweep, each config with both FP4 decodes (bits, asm)")
+  parser.add_argument("--gemv_sweep", action="store_true",
+                      help="tile configs of the few-row (gemv) kernel, and a few of the dot one")
+  parser.add_argument("--load_probe", action="store_true",
+                      help="only the load-throughput probe (uint8 / uint32 / uint16 tiles)")
   parser.add_argument("--bf16_sweep", action="store_true",
                       help="only the harness overhead and a bf16 tile sweep on the big dot")
   args = parser.parse_args()
+  if args.load_probe:
+    with open(os.path.join(args.out, "load_probe.json"), "w") as fh:
+      json.dump(load_probe(), fh, indent=1)
+    return
   if args.bf16_sweep:
     out = overhead_and_bf16_sweep()
     with open(os.path.join(args.out, "bf16_sweep.json"), "w") as fh:
@@ -239,7 +360,10 @@ def main():
       print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()})
     return
   result = run(args.quick, [s for s in args.shapes.split(",") if s],
-               [int(b) for b in args.batches.split(",") if b], SWEEP if args.sweep else None)
+               [int(b) for b in args.batches.split(",") if b],
+               GEMV_SWEEP if args.gemv_sweep else DECODE_SWEEP if args.decode_sweep
+               else SWEEP if args.sweep else None,
+               [f for f in args.formats.split(",") if f])
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "fp4_matmul_bench.json"), "w") as fh:
     json.dump(result, fh, indent=1)

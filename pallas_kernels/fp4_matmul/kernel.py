@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 ROWS = 16  # packed rows per K step by default; 16 is the smallest bf16 dot depth
+DECODES = ("bits", "asm")
 
 
 def e2m1_bf16(codes):
@@ -31,6 +32,47 @@ def e2m1_bf16(codes):
   m = codes & 7
   bits = jnp.where(m > 1, (m << 6) + 0x3F00, m * 0x3F00) | ((codes & 8) << 12)
   return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+# PTX: packed codes -> scaled bf16 values, four codes bytes per asm instance (Triton hands it
+# four u8 elements in one register and their four bf16 scales in two; it returns four bf16 in
+# two). PRMT moves bytes 0 and 1 (then 2 and 3) into the high byte of each 16-bit half; the
+# chosen nibble's sign then lands on bf16's sign bit and its 3 exponent/mantissa bits on bf16
+# bits 8..6 with a shift and two masks: the E2M1 value times 2^-126 (0.5 lands on a bf16
+# subnormal, exactly). One bf16x2 FMA by 2^126 and one by the scale make it E2M1 x scale,
+# exactly. About 3.5 operations per element. One asm per nibble: jax lowers single-result asm.
+_PAIR = """
+  prmt.b32 d, $2, z, {sel};
+  {sign}
+  and.b32 u, u, 0x80008000;
+  shr.b32 t, d, {shift};
+  and.b32 t, t, 0x01C001C0;
+  or.b32 u, u, t;
+  fma.rn.bf16x2 u, u, bias, nz;
+  fma.rn.bf16x2 {out}, u, {scale}, nz;
+"""
+
+
+def _e2m1_asm(nibble: str) -> str:
+  sign, shift = ("shl.b32 u, d, 4;", 2) if nibble == "lo" else ("mov.b32 u, d;", 6)
+  pair = lambda sel, out, scale: _PAIR.format(sel=sel, sign=sign, shift=shift, out=out,
+                                              scale=scale)
+  return ("{\n .reg .b32 d, t, u, z, bias, nz;\n mov.b32 z, 0;\n mov.b32 bias, 0x7E807E80;\n"
+          " mov.b32 nz, 0x80008000;\n" + pair("0x1404", "$0", "$3")
+          + pair("0x3424", "$1", "$4") + "}")
+
+
+E2M1_ASM = {"lo": _e2m1_asm("lo"), "hi": _e2m1_asm("hi")}
+
+
+def e2m1_pair_asm(codes_u8, scale):
+  """Packed codes (uint8, two E2M1 codes a byte) and their bf16 scales (same shape) -> the scaled
+  bf16 values of the low nibbles and of the high nibbles, by the PTX above (GPU only)."""
+  from jax.experimental.pallas import triton as pltriton
+  out = jax.ShapeDtypeStruct(codes_u8.shape, jnp.bfloat16)
+  return tuple(pltriton.elementwise_inline_asm(
+      E2M1_ASM[nibble], args=[codes_u8, scale], constraints="=r,=r,r,r,r", pack=4,
+      result_shape_dtypes=[out])[0] for nibble in ("lo", "hi"))
 
 
 def e8m0_bf16(s):
@@ -61,7 +103,7 @@ def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n):
 
 
 def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
-            block_n: int, rows_per_split: int, rows: int):
+            block_n: int, rows_per_split: int, rows: int, decode: str):
   out_ref = refs[-1]  # refs[0] is the poisoned output buffer when one is passed (aliased)
   n0 = pl.program_id(0) * block_n
   m0 = pl.program_id(1) * block_m
@@ -71,10 +113,14 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
 
   def step(i, acc):
     r0 = pl.multiple_of(base + i * rows, rows)
-    codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)].astype(jnp.int32)
+    codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
     scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
-    w_even = e2m1_bf16(codes & 15) * scale  # exact: at most 6 significant bits
-    w_odd = e2m1_bf16(codes >> 4) * scale
+    if decode == "asm":
+      w_even, w_odd = e2m1_pair_asm(codes, jnp.broadcast_to(scale, codes.shape))
+    else:
+      codes = codes.astype(jnp.int32)
+      w_even = e2m1_bf16(codes & 15) * scale  # exact: at most 6 significant bits
+      w_odd = e2m1_bf16(codes >> 4) * scale
     xe = xe_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
     xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
     acc += jnp.dot(xe, w_even, preferred_element_type=jnp.float32)
@@ -82,6 +128,38 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
 
   acc = jnp.zeros((block_m, block_n), jnp.float32)
   out_ref[...] = jax.lax.fori_loop(0, rows_per_split // rows, step, acc)
+
+
+def _gemv_kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, m: int, block_n: int,
+                 rows_per_split: int, rows: int, decode: str):
+  """The few-row variant (M <= 8): no matrix instruction, whose operand layout costs a pass
+  through shared memory; each step decodes the tile once and accumulates x * w in float32 per
+  element (x transposed: xe_ref [K/2, M]), reducing over K once at the end."""
+  out_ref = refs[-1]
+  n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
+  base = pl.program_id(2) * rows_per_split
+
+  def step(i, accs):
+    r0 = pl.multiple_of(base + i * rows, rows)
+    codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
+    scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
+    if decode == "asm":
+      w_even, w_odd = e2m1_pair_asm(codes, jnp.broadcast_to(scale, codes.shape))
+    else:
+      codes = codes.astype(jnp.int32)
+      w_even, w_odd = e2m1_bf16(codes & 15) * scale, e2m1_bf16(codes >> 4) * scale
+    w_even, w_odd = w_even.astype(jnp.float32), w_odd.astype(jnp.float32)
+    new = []
+    for j, acc in enumerate(accs):
+      xe = xe_ref[pl.ds(r0, rows), pl.ds(j, 1)].astype(jnp.float32)
+      xo = xo_ref[pl.ds(r0, rows), pl.ds(j, 1)].astype(jnp.float32)
+      new.append(acc + xe * w_even + xo * w_odd)
+    return tuple(new)
+
+  accs = tuple(jnp.zeros((rows, block_n), jnp.float32) for _ in range(m))
+  accs = jax.lax.fori_loop(0, rows_per_split // rows, step, accs)
+  for j, acc in enumerate(accs):
+    out_ref[pl.ds(j, 1), :] = jnp.sum(acc, axis=0, keepdims=True)
 
 
 def _bf16_kernel(x_ref, w_ref, *refs, block_m: int, block_n: int, block_k: int,
@@ -127,19 +205,43 @@ def _call(kernel, inputs, out_shape, grid, block_m, block_n, num_warps, num_stag
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_m", "block_n", "splits", "rows",
-                                             "num_warps", "num_stages", "interpret", "poison"))
+                                             "num_warps", "num_stages", "interpret", "poison",
+                                             "decode"))
 def fp4_matmul_partials(xe, xo, codes, scales, *, fmt: str, block_m: int = 16,
                         block_n: int = 128, splits: int = 1, rows: int = ROWS,
                         num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
-                        poison: bool = False):
-  """-> float32 [splits, M, N] partial products (M a multiple of block_m)."""
+                        poison: bool = False, decode: str = "bits"):
+  """-> float32 [splits, M, N] partial products (M a multiple of block_m). `decode`: "bits"
+  (jnp integer operations, any backend) or "asm" (the PTX pair decode, compiled GPU only)."""
+  if decode not in DECODES or (decode == "asm" and interpret):
+    raise ValueError(f"decode must be one of {DECODES} ('asm' is not interpretable), got "
+                     f"{decode!r} with interpret={interpret}")
   m, k2 = xe.shape
   n = codes.shape[1]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
-                             rows_per_split=k2 // splits, rows=rows)
+                             rows_per_split=k2 // splits, rows=rows, decode=decode)
   return _call(kernel, (xe, xo, codes, scales), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), block_m, block_n, num_warps, num_stages,
                interpret, poison)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_n", "splits", "rows", "num_warps",
+                                             "num_stages", "interpret", "poison", "decode"))
+def fp4_gemv_partials(xe_t, xo_t, codes, scales, *, fmt: str, block_n: int = 128,
+                      splits: int = 1, rows: int = ROWS, num_warps: int = 4,
+                      num_stages: int = 3, interpret: bool = False, poison: bool = False,
+                      decode: str = "bits"):
+  """The few-row kernel: x transposed (xe_t, xo_t: [K/2, M], M <= 8) -> float32 [splits, M, N]."""
+  if decode not in DECODES or (decode == "asm" and interpret):
+    raise ValueError(f"decode must be one of {DECODES} ('asm' is not interpretable), got "
+                     f"{decode!r} with interpret={interpret}")
+  k2, m = xe_t.shape
+  n = codes.shape[1]
+  kernel = functools.partial(_gemv_kernel, fmt=fmt, m=m, block_n=block_n,
+                             rows_per_split=k2 // splits, rows=rows, decode=decode)
+  return _call(kernel, (xe_t, xo_t, codes, scales),
+               jax.ShapeDtypeStruct((splits, m, n), jnp.float32), (n // block_n, 1, splits), m,
+               block_n, num_warps, num_stages, interpret, poison)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "splits",

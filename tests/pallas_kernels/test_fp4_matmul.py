@@ -7,7 +7,10 @@ import pytest
 
 from pallas_kernels.fp4_matmul import bf16_matmul, fp4_matmul
 from pallas_kernels.fp4_matmul import reference
+from pallas_kernels.fp4_matmul.kernel import E2M1_ASM
+from tests.pallas_kernels import ptx_emu
 from trace_jax.quant import MXFP4, NVFP4_TENSOR, dequantize, quantize
+from trace_jax.quant.codecs import E2M1
 
 FORMATS = [MXFP4, NVFP4_TENSOR]
 
@@ -49,6 +52,44 @@ def test_kernel_in_interpret_mode(fmt, m, k, n, splits, rows):
   assert rel(got, want) < 2e-3  # bf16 output rounding and the order of the float32 sums
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gemv_and_dot_variants_in_interpret_mode(fmt, m):
+  x, w = inputs(m, m, 256, 128, fmt)
+  want = fp4_matmul(x, w)
+  for variant in ("gemv", "dot"):
+    got = fp4_matmul(x, w, implementation="pallas", variant=variant, splits=2, rows=32,
+                     interpret=True, poison=True)
+    assert not np.isnan(np.asarray(got, np.float32)).any()
+    assert rel(got, want) < 2e-3, variant
+
+
+def test_decode_asm_bit_for_bit():
+  """The PTX decode, run by an emulator: every byte, random E8M0 and E4M3 scales, against the
+  E2M1 table times the scale (signed zeros included)."""
+  rng = np.random.default_rng(0)
+  table = np.asarray(E2M1.decode(jnp.arange(16)), np.float32)
+  for trial in range(400):
+    b = (np.arange(4) * 64 + trial) % 256 if trial < 256 else rng.integers(0, 256, 4)
+    if trial % 2:  # E8M0 powers of two, subnormal-producing ones included
+      scale = np.ldexp(np.float32(1), rng.integers(-127, 100, 4)).astype(np.float32)
+    else:  # E4M3 values (any bf16 with a few significant bits)
+      scale = np.asarray(jnp.asarray(rng.standard_normal(4) * 50, jnp.float8_e4m3fn),
+                         np.float32)
+    sbits = [ptx_emu.f32_to_bf16_bits(s) for s in scale]
+    q = int(b[0]) | int(b[1]) << 8 | int(b[2]) << 16 | int(b[3]) << 24
+    ins = [q, sbits[0] | sbits[1] << 16, sbits[2] | sbits[3] << 16]
+    lo01, lo23 = ptx_emu.run(E2M1_ASM["lo"], 2, ins)
+    hi01, hi23 = ptx_emu.run(E2M1_ASM["hi"], 2, ins)
+    lo = [lo01 & 0xFFFF, lo01 >> 16, lo23 & 0xFFFF, lo23 >> 16]
+    hi = [hi01 & 0xFFFF, hi01 >> 16, hi23 & 0xFFFF, hi23 >> 16]
+    for i in range(4):
+      for got, code in ((lo[i], b[i] & 15), (hi[i], b[i] >> 4)):
+        want = np.float32(table[code] * scale[i])
+        assert ptx_emu.bf16_bits_to_f32(got) == want, (b, i, code, scale[i])
+        assert np.signbit(ptx_emu.bf16_bits_to_f32(got)) == np.signbit(want) or want != 0
+
+
 def test_bf16_kernel_in_interpret_mode():
   x = jax.random.normal(jax.random.PRNGKey(1), (7, 256), jnp.bfloat16)
   w = jax.random.normal(jax.random.PRNGKey(2), (256, 128), jnp.bfloat16)
@@ -66,21 +107,29 @@ def test_leading_dims_and_errors():
     fp4_matmul(x[:, :255], w)
   with pytest.raises(ValueError, match="block_n"):
     fp4_matmul(x, w, implementation="pallas", block_n=96, interpret=True)
+  with pytest.raises(ValueError, match="'gemv' for at most 8 rows"):
+    fp4_matmul(x.repeat(2, 0), w, implementation="pallas", variant="gemv", interpret=True)
+  with pytest.raises(ValueError, match="not interpretable"):
+    fp4_matmul(x, w, implementation="pallas", decode="asm", interpret=True)
   with pytest.raises(ValueError, match="MXFP4 and NVFP4"):
     fp4_matmul(x, quantize(jnp.ones((256, 128)), "fp8", axis=0))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("m", [1, 16, 64, 256])
-@pytest.mark.parametrize("k,n", [(2048, 768), (768, 2048), (2048, 4096)])
-def test_kernel_on_gpu(fmt, m, k, n):
+@pytest.mark.parametrize("m,variant", [(1, "gemv"), (3, "gemv"), (8, "gemv"), (1, "dot"),
+                                       (16, "dot"), (64, "dot"), (256, "dot")])
+@pytest.mark.parametrize("k,n,decode", [(2048, 768, "asm"), (768, 2048, "asm"),
+                                        (2048, 4096, "asm"), (2048, 768, "bits")])
+def test_kernel_on_gpu(fmt, m, variant, k, n, decode):
   for seed in range(2):  # fresh inputs each time
     x, w = inputs(seed * 7919 + m, m, k, n, fmt)
     for rows in (16, 32, 64):
-      got = fp4_matmul(x, w, implementation="pallas", rows=rows, poison=True)
+      got = fp4_matmul(x, w, implementation="pallas", rows=rows, decode=decode,
+                       variant=variant, poison=True)
       assert not np.isnan(np.asarray(got, np.float32)).any()
       assert rel(got, fp4_matmul(x, w)) < 2e-3
-  got = bf16_matmul(x, w.codes.astype(jnp.bfloat16)[:k // 2].repeat(2, 0), implementation="pallas",
-                    poison=True)
+  w16 = w.codes.astype(jnp.bfloat16)[:k // 2].repeat(2, 0)
+  got = bf16_matmul(x, w16, implementation="pallas", poison=True)
   assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, bf16_matmul(x, w16)) < 2e-3
