@@ -53,17 +53,25 @@ def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m:
                poison: bool = False) -> jax.Array:
   """x [..., K] @ W [K, N] (MXFP4 or per-tensor NVFP4, packed along K) -> [..., N] bf16.
 
+  `w` is either [K, N] quantized along axis 0, or its K-major transpose [N, K] quantized along
+  axis 1 (`reference.transpose(w)`, the layout of a [out, in] linear weight), which the pallas
+  implementation multiplies with the "kmajor" kernel (the decoded weight in registers).
+
   `decode` picks how the kernel unpacks FP4: "asm" (PTX, compiled GPU kernels; the default
   there) or "bits" (jnp integer operations; the default in interpret mode). `variant`: "dot"
   (matrix instructions over block_m-row tiles) or "gemv" (float32 multiply-adds, M <= 8; the
   default for M <= GEMV_MAX_ROWS)."""
   _check_impl(implementation)
   reference.check_weight(w)
-  k, n = w.shape
+  k, n = w.shape[::-1] if w.axis == -1 else w.shape
   if x.shape[-1] != k:
     raise ValueError(f"x has {x.shape[-1]} features, the weight {w.shape} expects {k}")
   if implementation == "xla":
     return reference.fp4_matmul(x, w)
+  if w.axis == -1:
+    return _kmajor(x, w, k, n, block_m=block_m, block_n=block_n, splits=splits, rows=rows,
+                   num_warps=num_warps, num_stages=num_stages, decode=decode,
+                   interpret=interpret, poison=poison)
   if n % block_n or k % (2 * rows) or rows % 16:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}), rows "
                      f"({rows}) a multiple of 16 and K ({k}) divisible by 2 x rows")
@@ -90,6 +98,23 @@ def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m:
       splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages, decode=decode,
       interpret=interpret, poison=poison)
   return _finish(partials, m, w, lead, n)
+
+
+def _kmajor(x, w, k, n, *, block_m, block_n, splits, rows, num_warps, num_stages, decode,
+            interpret, poison):
+  if n % block_n or k % (2 * rows) or rows % 16:
+    raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}), rows "
+                     f"({rows}) a multiple of 16 and K ({k}) divisible by 2 x rows")
+  x2, lead = _rows(x.astype(jnp.bfloat16))
+  x2, m = _pad_rows(x2, block_m)
+  steps = (k // 2) // rows
+  splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, steps)
+  partials = kernel.fp4_kmajor_partials(
+      x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales,
+      fmt="mxfp4" if w.fmt.name == "mxfp4" else "nvfp4", block_m=block_m, block_n=block_n,
+      splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
+      decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
+  return _finish(jnp.swapaxes(partials, 1, 2), m, w, lead, n)
 
 
 def _finish(partials, m, w, lead, n):

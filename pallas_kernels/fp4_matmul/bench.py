@@ -39,6 +39,11 @@ CONFIGS = [dict(block_n=64, rows=16, num_warps=4, num_stages=4, variant="dot"),
            dict(block_n=128, rows=32, num_warps=4, num_stages=3, variant="dot"),
            dict(block_n=128, rows=16, num_warps=4, num_stages=4, splits=8, variant="gemv")]
 DECODE_SWEEP = [dict(cfg, decode=d, variant="dot") for cfg in SWEEP for d in ("bits", "asm")]
+KMAJOR = [dict(block_n=bn, rows=r, num_warps=w, num_stages=st, splits=sp, layout="kmajor")
+          for bn, r, w, st, sp in [(64, 32, 4, 4, None), (128, 32, 4, 4, None),
+                                   (64, 64, 4, 3, None), (128, 64, 8, 3, None),
+                                   (256, 32, 8, 3, None), (128, 16, 4, 4, 8)]]
+KMAJOR_SWEEP = KMAJOR + [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot")]
 GEMV_SWEEP = ([dict(block_n=bn, rows=r, num_warps=w, num_stages=st, splits=sp, decode="asm",
                     variant="gemv")
                for bn, r, w, st, sp in [(64, 16, 2, 4, 8), (128, 16, 4, 4, 8), (128, 32, 4, 4, 4),
@@ -208,13 +213,20 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
         wbytes = ws[0].nbytes
         ref = reference.fp4_matmul(x, ws[0])
         record(f"xla {fmt} dequant+dot", _time(reference.fp4_matmul, x, ws), wbytes, 0.0)
+        wts = None
         for cfg in configs:
           if n % cfg["block_n"] or (cfg.get("variant") == "gemv" and m > 8):
             continue
-          p = lambda a, b, cfg=cfg: api.fp4_matmul(a, b, implementation="pallas", **cfg)
-          attempt(lambda p=p, cfg=cfg: record(
-              f"pallas {fmt}", _time(p, x, ws), wbytes, _rel(jax.jit(p)(x, ws[0]), ref),
-              dict(cfg)), f"pallas {fmt} {cfg}")
+          kw = {key: v for key, v in cfg.items() if key != "layout"}
+          if cfg.get("layout") == "kmajor":  # the weight pre-transposed, outside the timing
+            wts = wts or [reference.transpose(w) for w in ws]
+            args, label = wts, dict(kw, variant="kmajor")
+          else:
+            args, label = ws, kw
+          p = lambda a, b, kw=kw: api.fp4_matmul(a, b, implementation="pallas", **kw)
+          attempt(lambda p=p, args=args, label=label: record(
+              f"pallas {fmt}", _time(p, x, args), wbytes, _rel(jax.jit(p)(x, args[0]), ref),
+              label), f"pallas {fmt} {cfg}")
   return result
 
 
@@ -341,6 +353,8 @@ def main():
   parser.add_argument("--sweep", action="store_true", help="a wider sweep of tile configs")
   parser.add_argument("--decode_sweep", action="store_true",
                       help="the wide sweep, each config with both FP4 decodes (bits, asm)")
+  parser.add_argument("--kmajor_sweep", action="store_true",
+                      help="tile configs of the K-major kernel (weight in registers)")
   parser.add_argument("--gemv_sweep", action="store_true",
                       help="tile configs of the few-row (gemv) kernel, and a few of the dot one")
   parser.add_argument("--load_probe", action="store_true",
@@ -361,7 +375,8 @@ def main():
     return
   result = run(args.quick, [s for s in args.shapes.split(",") if s],
                [int(b) for b in args.batches.split(",") if b],
-               GEMV_SWEEP if args.gemv_sweep else DECODE_SWEEP if args.decode_sweep
+               KMAJOR_SWEEP if args.kmajor_sweep else GEMV_SWEEP if args.gemv_sweep
+               else DECODE_SWEEP if args.decode_sweep
                else SWEEP if args.sweep else None,
                [f for f in args.formats.split(",") if f])
   os.makedirs(args.out, exist_ok=True)

@@ -86,20 +86,33 @@ def e4m3_bf16(s):
       jnp.bfloat16)
 
 
-def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n):
-  """The bf16 scale of every packed row of the step, [rows, block_n]: one scale row per
-  `group` packed rows (16 for MXFP4, 8 for NVFP4), selected per row (no reshapes)."""
+def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n, k_major=False):
+  """The bf16 scale of every packed row of the step, [rows, block_n] ([block_n, rows] when
+  `k_major`, scales_ref then being [N, K/B]): one scale row per `group` packed rows (16 for
+  MXFP4, 8 for NVFP4), selected per row (no reshapes)."""
   group = 16 if fmt == "mxfp4" else 8
   decode = e8m0_bf16 if fmt == "mxfp4" else e4m3_bf16
-  load = lambda j: scales_ref[pl.ds(r0 // group + j, 1), pl.ds(n0, block_n)]
+  if k_major:
+    load = lambda j: scales_ref[pl.ds(n0, block_n), pl.ds(r0 // group + j, 1)]
+  else:
+    load = lambda j: scales_ref[pl.ds(r0 // group + j, 1), pl.ds(n0, block_n)]
   raw = lambda j: decode(load(j).astype(jnp.int32) if fmt == "mxfp4" else load(j))
   tile = raw(0)
   if rows > group:
-    which = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0) // group
-    tile = jnp.broadcast_to(tile, (rows, block_n))
+    shape, axis = ((block_n, rows), 1) if k_major else ((rows, block_n), 0)
+    which = jax.lax.broadcasted_iota(jnp.int32, shape, axis) // group
+    tile = jnp.broadcast_to(tile, shape)
     for j in range(1, rows // group):
       tile = jnp.where(which == j, raw(j), tile)
   return tile
+
+
+def _decode(codes, scale, decode):
+  """Packed codes and their scales (broadcastable) -> bf16 values of the low and high nibbles."""
+  if decode == "asm":
+    return e2m1_pair_asm(codes, jnp.broadcast_to(scale, codes.shape))
+  codes = codes.astype(jnp.int32)
+  return e2m1_bf16(codes & 15) * scale, e2m1_bf16(codes >> 4) * scale  # exact: <= 6 bits
 
 
 def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
@@ -115,18 +128,38 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
     r0 = pl.multiple_of(base + i * rows, rows)
     codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
     scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
-    if decode == "asm":
-      w_even, w_odd = e2m1_pair_asm(codes, jnp.broadcast_to(scale, codes.shape))
-    else:
-      codes = codes.astype(jnp.int32)
-      w_even = e2m1_bf16(codes & 15) * scale  # exact: at most 6 significant bits
-      w_odd = e2m1_bf16(codes >> 4) * scale
+    w_even, w_odd = _decode(codes, scale, decode)
     xe = xe_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
     xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
     acc += jnp.dot(xe, w_even, preferred_element_type=jnp.float32)
     return acc + jnp.dot(xo, w_odd, preferred_element_type=jnp.float32)
 
   acc = jnp.zeros((block_m, block_n), jnp.float32)
+  out_ref[...] = jax.lax.fori_loop(0, rows_per_split // rows, step, acc)
+
+
+def _kmajor_kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
+                   block_n: int, rows_per_split: int, rows: int, decode: str):
+  """The weight K-major (codes [N, K/2], scales [N, K/B]) and first in the product:
+  y^T = W^T x^T, so the decoded tile is the matrix instruction's A operand, which Hopper takes
+  from registers, instead of a B operand that goes through shared memory. x is transposed
+  (xe_ref [K/2, M]); the output block is [block_n, block_m] of y^T."""
+  out_ref = refs[-1]
+  n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
+  m0 = pl.program_id(1) * block_m
+  base = pl.program_id(2) * rows_per_split
+
+  def step(i, acc):
+    r0 = pl.multiple_of(base + i * rows, rows)
+    codes = codes_ref[pl.ds(n0, block_n), pl.ds(r0, rows)]
+    scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n, k_major=True)
+    w_even, w_odd = _decode(codes, scale, decode)
+    xe = xe_ref[pl.ds(r0, rows), pl.ds(m0, block_m)]
+    xo = xo_ref[pl.ds(r0, rows), pl.ds(m0, block_m)]
+    acc += jnp.dot(w_even, xe, preferred_element_type=jnp.float32)
+    return acc + jnp.dot(w_odd, xo, preferred_element_type=jnp.float32)
+
+  acc = jnp.zeros((block_n, block_m), jnp.float32)
   out_ref[...] = jax.lax.fori_loop(0, rows_per_split // rows, step, acc)
 
 
@@ -143,11 +176,7 @@ def _gemv_kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, m: int,
     r0 = pl.multiple_of(base + i * rows, rows)
     codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
     scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
-    if decode == "asm":
-      w_even, w_odd = e2m1_pair_asm(codes, jnp.broadcast_to(scale, codes.shape))
-    else:
-      codes = codes.astype(jnp.int32)
-      w_even, w_odd = e2m1_bf16(codes & 15) * scale, e2m1_bf16(codes >> 4) * scale
+    w_even, w_odd = _decode(codes, scale, decode)
     w_even, w_odd = w_even.astype(jnp.float32), w_odd.astype(jnp.float32)
     new = []
     for j, acc in enumerate(accs):
@@ -223,6 +252,36 @@ def fp4_matmul_partials(xe, xo, codes, scales, *, fmt: str, block_m: int = 16,
   return _call(kernel, (xe, xo, codes, scales), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), block_m, block_n, num_warps, num_stages,
                interpret, poison)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_m", "block_n", "splits", "rows",
+                                             "num_warps", "num_stages", "interpret", "poison",
+                                             "decode"))
+def fp4_kmajor_partials(xe_t, xo_t, codes_t, scales_t, *, fmt: str, block_m: int = 16,
+                        block_n: int = 64, splits: int = 1, rows: int = 32, num_warps: int = 4,
+                        num_stages: int = 4, interpret: bool = False, poison: bool = False,
+                        decode: str = "bits"):
+  """K-major weight (codes_t [N, K/2], scales_t [N, K/B]), x transposed (xe_t, xo_t: [K/2, M],
+  M a multiple of block_m) -> float32 [splits, N, M] partials of y^T."""
+  if decode not in DECODES or (decode == "asm" and interpret):
+    raise ValueError(f"decode must be one of {DECODES} ('asm' is not interpretable), got "
+                     f"{decode!r} with interpret={interpret}")
+  k2, m = xe_t.shape
+  n = codes_t.shape[0]
+  kernel = functools.partial(_kmajor_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
+                             rows_per_split=k2 // splits, rows=rows, decode=decode)
+  out_spec = pl.BlockSpec((None, block_n, block_m), lambda i, j, s: (s, i, j))
+  out_shape = jax.ShapeDtypeStruct((splits, n, m), jnp.float32)
+  inputs, in_specs, aliases = (xe_t, xo_t, codes_t, scales_t), [pl.no_block_spec] * 4, {}
+  if poison:
+    inputs = (*inputs, jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+    in_specs.append(out_spec)
+    aliases = {4: 0}
+  return pl.pallas_call(
+      kernel, grid=(n // block_n, m // block_m, splits), in_specs=in_specs, out_specs=out_spec,
+      out_shape=out_shape, input_output_aliases=aliases,
+      compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
+      interpret=interpret)(*inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_n", "splits", "rows", "num_warps",

@@ -14,7 +14,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp4_matmul import api
+from pallas_kernels.fp4_matmul import api, reference
 from trace_jax.quant import MXFP4, quantize
 
 
@@ -27,9 +27,11 @@ def main():
   w = jax.random.normal(jax.random.PRNGKey(0), (k, n)) * 0.05
   x = jax.random.normal(jax.random.PRNGKey(1), (args.m, k), jnp.bfloat16)
   q, w16 = quantize(w, MXFP4, axis=0), w.astype(jnp.bfloat16)
+  qt = reference.transpose(q)
   variants = {
       "fp4 asm": lambda: api.fp4_matmul(x, q, implementation="pallas", decode="asm"),
       "fp4 bits": lambda: api.fp4_matmul(x, q, implementation="pallas", decode="bits"),
+      "fp4 kmajor": lambda: api.fp4_matmul(x, qt, implementation="pallas", decode="asm"),
       "bf16": lambda: api.bf16_matmul(x, w16, implementation="pallas", block_n=128,
                                       block_k=128, num_warps=8, num_stages=4),
   }

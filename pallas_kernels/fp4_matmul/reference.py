@@ -16,13 +16,21 @@ from trace_jax.quant.codecs import E2M1, E4M3, exp2i, unpack_nibbles
 
 
 def check_weight(w: QArray) -> None:
-  if not isinstance(w, QArray) or w.codes.ndim != 2 or w.axis != -2:
-    raise ValueError("fp4_matmul expects a [K, N] weight quantized along K (axis 0), got "
+  if not isinstance(w, QArray) or w.codes.ndim != 2 or w.axis not in (-2, -1):
+    raise ValueError("fp4_matmul expects a [K, N] weight quantized along K (axis 0), or its "
+                     "K-major transpose [N, K] quantized along K (axis 1), got "
                      f"{type(w).__name__} {getattr(w, 'shape', None)} axis "
                      f"{getattr(w, 'axis', None)}")
   if w.fmt.name not in ("mxfp4", "nvfp4_tensor"):
     raise ValueError(f"fp4_matmul supports MXFP4 and NVFP4 (per-tensor global) weights, got "
                      f"{w.fmt.name}")
+
+
+def transpose(w: QArray) -> QArray:
+  """[K, N] quantized along K <-> its K-major transpose [N, K] quantized along K: the same codes
+  and scales, transposed (a layout change, no requantization)."""
+  return QArray(w.codes.T, w.scales.T, w.global_scale if w.global_scale is None
+                else w.global_scale.T, w.fmt, -1 if w.axis == -2 else -2)
 
 
 def block_scales(w: QArray) -> jax.Array:
@@ -36,6 +44,8 @@ def block_scales(w: QArray) -> jax.Array:
 def dequantize_bf16(w: QArray) -> tuple[jax.Array, jax.Array]:
   """-> (bf16 [K, N] weight without the global, float32 global (1.0 for MXFP4))."""
   check_weight(w)
+  if w.axis == -1:
+    w = transpose(w)
   codes = unpack_nibbles(jnp.moveaxis(w.codes, 0, -1))  # [N, K]
   values = jnp.moveaxis(E2M1.decode(codes), -1, 0)  # [K, N]
   block = w.fmt.block_size

@@ -64,6 +64,20 @@ def test_gemv_and_dot_variants_in_interpret_mode(fmt, m):
     assert rel(got, want) < 2e-3, variant
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m,splits,rows", [(1, 2, 16), (5, 1, 32), (17, 2, 64)])
+def test_kmajor_kernel_in_interpret_mode(fmt, m, splits, rows):
+  x, w = inputs(m + 100, m, 256, 128, fmt)
+  wt = reference.transpose(w)
+  assert wt.shape == (128, 256) and wt.axis == -1
+  np.testing.assert_array_equal(np.asarray(fp4_matmul(x, wt), np.float32),
+                                np.asarray(fp4_matmul(x, w), np.float32))
+  got = fp4_matmul(x, wt, implementation="pallas", splits=splits, rows=rows, interpret=True,
+                   poison=True)
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, fp4_matmul(x, w)) < 2e-3
+
+
 def test_decode_asm_bit_for_bit():
   """The PTX decode, run by an emulator: every byte, random E8M0 and E4M3 scales, against the
   E2M1 table times the scale (signed zeros included)."""
@@ -125,10 +139,14 @@ def test_kernel_on_gpu(fmt, m, variant, k, n, decode):
   for seed in range(2):  # fresh inputs each time
     x, w = inputs(seed * 7919 + m, m, k, n, fmt)
     for rows in (16, 32, 64):
-      got = fp4_matmul(x, w, implementation="pallas", rows=rows, decode=decode,
-                       variant=variant, poison=True)
-      assert not np.isnan(np.asarray(got, np.float32)).any()
-      assert rel(got, fp4_matmul(x, w)) < 2e-3
+      outs = [fp4_matmul(x, w, implementation="pallas", rows=rows, decode=decode,
+                         variant=variant, poison=True)]
+      if variant == "dot":  # and the K-major weight through the kmajor kernel
+        outs.append(fp4_matmul(x, reference.transpose(w), implementation="pallas", rows=rows,
+                               decode=decode, poison=True))
+      for got in outs:
+        assert not np.isnan(np.asarray(got, np.float32)).any()
+        assert rel(got, fp4_matmul(x, w)) < 2e-3
   w16 = w.codes.astype(jnp.bfloat16)[:k // 2].repeat(2, 0)
   got = bf16_matmul(x, w16, implementation="pallas", poison=True)
   assert not np.isnan(np.asarray(got, np.float32)).any()
