@@ -80,8 +80,10 @@ class Format:
 class BlockFormat(Format):
   """A block-scaled format: values map onto an element grid by a per-block scale.
 
-  Subclasses define `scales` (the stored scale rule), `to_grid` and `from_grid`; quantization,
-  dequantization and guided rounding follow from those and the element codec.
+  Subclasses define `scales_from_amax` (the stored scale rule, from each block's max |x|),
+  `grid_multiplier` (x -> element grid) and `from_grid`; quantization, dequantization and
+  guided rounding follow from those and the element codec, and so do kernels that compute the
+  block maxima their own way (pallas_kernels/quantize_record).
   """
 
   @property
@@ -93,10 +95,20 @@ class BlockFormat(Format):
     return self.codec.bits
 
   def scales(self, x_NxB) -> tuple[jax.Array, jax.Array | None]:
+    return self.scales_from_amax(*_block_amax(x_NxB))
+
+  def scales_from_amax(self, amax_N, bad_N) -> tuple[jax.Array, jax.Array | None]:
+    """The stored block scales (and global) from each block's max |x| over its finite values
+    and whether it holds a NaN or Inf: the whole scale rule, so that kernels which reduce the
+    blocks their own way share it."""
+    raise NotImplementedError
+
+  def grid_multiplier(self, scales_N, global_1) -> jax.Array:
+    """Per block, the float32 factor that maps x onto the element grid ([..., N])."""
     raise NotImplementedError
 
   def to_grid(self, x_NxB, scales_N, global_1) -> jax.Array:
-    raise NotImplementedError
+    return x_NxB * self.grid_multiplier(scales_N, global_1)[..., None]
 
   def from_grid(self, v_NxB, scales_N, global_1) -> jax.Array:
     raise NotImplementedError
@@ -163,8 +175,7 @@ class MXFP4Format(BlockFormat):
   codec = codecs.E2M1
   scale_bits = 8
 
-  def scales(self, x_NxB):
-    amax_N, bad_N = _block_amax(x_NxB)
+  def scales_from_amax(self, amax_N, bad_N):
     # floor(log2 amax) is the unbiased exponent of amax, so the E8M0 byte is exponent - 2
     code = codecs.biased_exponent(amax_N) - 2
     if self.scale_rounding == "ceil":  # amax / 2^e > 6 exactly when amax's significand is > 1.5
@@ -174,11 +185,10 @@ class MXFP4Format(BlockFormat):
     code = jnp.clip(code, 0, 252)
     return jnp.where(bad_N, 255, code).astype(jnp.uint8), None
 
-  def to_grid(self, x_NxB, scales_N, global_1):
-    # multiply by the exact inverse power of two: 2^(127 - code) is a normal float32 for every
-    # code the rule produces, where the scale itself (2^-127 for code 0) would be subnormal
-    inv = codecs.exp2i(jnp.clip(127 - scales_N.astype(jnp.int32), -126, 127))
-    return x_NxB * inv[..., None]
+  def grid_multiplier(self, scales_N, global_1):
+    # the exact inverse power of two: 2^(127 - code) is a normal float32 for every code the
+    # rule produces, where the scale itself (2^-127 for code 0) would be subnormal
+    return codecs.exp2i(jnp.clip(127 - scales_N.astype(jnp.int32), -126, 127))
 
   def from_grid(self, v_NxB, scales_N, global_1):
     e = scales_N.astype(jnp.int32) - 127
@@ -222,8 +232,7 @@ class NVFP4Format(BlockFormat):
   codec = codecs.E2M1
   scale_bits = 8
 
-  def scales(self, x_NxB):
-    amax_N, bad_N = _block_amax(x_NxB)
+  def scales_from_amax(self, amax_N, bad_N):
     if self.global_scale == "row":
       amax_1 = jnp.max(amax_N, axis=-1, keepdims=True)
     else:
@@ -241,8 +250,8 @@ class NVFP4Format(BlockFormat):
   def _element_scale(self, scales_N, global_1):
     return codecs.E4M3.decode(scales_N) * global_1
 
-  def to_grid(self, x_NxB, scales_N, global_1):
-    return x_NxB * (1.0 / self._element_scale(scales_N, global_1))[..., None]
+  def grid_multiplier(self, scales_N, global_1):
+    return 1.0 / self._element_scale(scales_N, global_1)
 
   def from_grid(self, v_NxB, scales_N, global_1):
     return v_NxB * self._element_scale(scales_N, global_1)[..., None]
@@ -259,15 +268,14 @@ class FP8Format(BlockFormat):
   codec = codecs.E4M3
   scale_bits = 32
 
-  def scales(self, x_NxB):
-    amax_N, bad_N = _block_amax(x_NxB)
+  def scales_from_amax(self, amax_N, bad_N):
     # at least the smallest normal float32, so that 1/s stays finite for tiny rows
     s_N = jnp.maximum(amax_N * _f32_reciprocal(_E4M3_MAX), _F32_TINY)
     s_N = jnp.where(amax_N > 0, s_N, 1.0)
     return jnp.where(bad_N, _NAN, s_N), None
 
-  def to_grid(self, x_NxB, scales_N, global_1):
-    return x_NxB * (1.0 / scales_N)[..., None]  # reciprocal first, as NVFP4 does
+  def grid_multiplier(self, scales_N, global_1):
+    return 1.0 / scales_N  # reciprocal first, as NVFP4 does
 
   def from_grid(self, v_NxB, scales_N, global_1):
     return v_NxB * scales_N[..., None]

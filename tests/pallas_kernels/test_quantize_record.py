@@ -1,0 +1,79 @@
+"""Quantize-and-record kernel against the quant core, bit for bit: interpret mode on CPU, compiled
+on a GPU (-m gpu)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quantize_record import quantize_and_record
+from pallas_kernels.quantize_record.kernel import e2m1_encode
+from trace_jax.quant import dequantize, guided_quant
+from trace_jax.quant.codecs import E2M1
+
+FORMATS = ["mxfp4", "nvfp4"]
+
+
+def assert_same(a, b):
+  for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+    assert u.shape == v.shape and u.dtype == v.dtype
+    np.testing.assert_array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
+
+
+def hostile(key, shape):
+  """Normal values over many binades, plus NaN, Inf, signed zeros, ties and tiny rows."""
+  k1, k2, k3 = jax.random.split(key, 3)
+  x = jax.random.normal(k1, shape) * jnp.exp2(jax.random.randint(k2, shape[:-1] + (1,), -20, 20))
+  flat = x.reshape(-1)
+  n = flat.size
+  special = jnp.array([jnp.nan, jnp.inf, -jnp.inf, 0.0, -0.0, 1e-39, -3e-40, 0.25, 1.25, 5.0])
+  idx = jax.random.choice(k3, n, (min(n // 8, 40),), replace=False)
+  flat = flat.at[idx].set(special[jnp.arange(idx.size) % special.size])
+  x = flat.reshape(shape)
+  return x.at[0].set(x[0] * 1e-38)  # a row far in the subnormal range
+
+
+def test_e2m1_encode_matches_the_core_on_every_bf16_value_and_ties():
+  bits = jnp.arange(1 << 16, dtype=jnp.uint32) << 16
+  y = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  ties = jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 4.9999995, 5.0000005])
+  y = jnp.concatenate([y, ties, -ties, jax.random.uniform(jax.random.PRNGKey(0), (4096,)) * 9])
+  np.testing.assert_array_equal(np.asarray(jax.jit(e2m1_encode)(y)), np.asarray(E2M1.encode(y)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(1, 32), (7, 96), (2, 3, 64), (17, 256)])
+def test_kernel_in_interpret_mode_is_bit_exact(fmt, shape):
+  x = hostile(jax.random.PRNGKey(sum(shape)), shape)
+  want = quantize_and_record(x, fmt)
+  got = quantize_and_record(x, fmt, implementation="pallas", block_t=8, interpret=True)
+  assert_same(got, want)
+  qa, rec = got
+  assert qa.codes.shape == shape[:-1] + (shape[-1] // 2,) and rec.mant.shape[-1] == shape[-1] // 8
+  # the record reproduces the rollout's values through guided rounding
+  finite = np.isfinite(np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(guided_quant(x, rec, fmt))[finite],
+                                np.asarray(dequantize(qa))[finite])
+
+
+def test_bf16_input_and_errors():
+  x = jax.random.normal(jax.random.PRNGKey(3), (5, 64), jnp.bfloat16)
+  assert_same(quantize_and_record(x, "mxfp4", implementation="pallas", interpret=True),
+              quantize_and_record(x, "mxfp4"))
+  with pytest.raises(ValueError, match="supports"):
+    quantize_and_record(x, "fp8")
+  with pytest.raises(ValueError, match="blocks of 32"):
+    quantize_and_record(x[:, :48], "mxfp4")
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    quantize_and_record(x, "mxfp4", implementation="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(1, 2048), (64, 2048), (256, 768), (1000, 128)])
+def test_kernel_on_gpu_is_bit_exact(fmt, shape):
+  for seed in range(3):  # fresh inputs each time
+    x = hostile(jax.random.PRNGKey(seed * 1000 + shape[0]), shape).astype(
+        jnp.bfloat16 if seed == 2 else jnp.float32)
+    assert_same(quantize_and_record(x, fmt, implementation="pallas"),
+                quantize_and_record(x, fmt))
