@@ -94,6 +94,7 @@ def flip_rate_per_layer(out: str, families):
                for i in layers]
       width = 0.8 / max(len(modes), 1)
       ax.bar(np.array(layers) + j * width, rates, width, color=COLORS[mode], label=mode)
+      ax.set_xticks(np.array(layers) + 0.4 - width / 2, [str(i) for i in layers])
   return _finish(fig, panels, "layer", "flip rate")
 
 
@@ -137,15 +138,16 @@ def bytes_vs_kl(summary: dict, families):
 def final_accuracy(summary: dict, families):
   """FP4 eval accuracy: TRACE-trained FP4 policies against post-hoc FP4 of the BF16 policy."""
   bars = [("bf16 policy, bf16", "bf16_bf16"), ("bf16 policy, FP4 post-hoc", "bf16_posthoc_fp4"),
-          ("fp4_qat, FP4", "fp4_qat"), ("trace, FP4", "trace"), ("trace_all, FP4", "trace_all")]
-  fig, ax = plt.subplots(figsize=(2.2 * len(families) + 3, 3.6))
+          ("fp4_rollout, FP4", "fp4_rollout"), ("fp4_qat, FP4", "fp4_qat"),
+          ("trace, FP4", "trace"), ("trace_all, FP4", "trace_all")]
+  fig, ax = plt.subplots(figsize=(2.2 * len(families) + 4.5, 3.6))
   width = 0.8 / len(bars)
   for j, (label, key) in enumerate(bars):
     ys = [summary.get(f, {}).get("final_eval_accuracy", {}).get(key, np.nan) for f in families]
     ax.bar(np.arange(len(families)) + j * width, ys, width, label=label)
   ax.set_xticks(np.arange(len(families)) + 0.4 - width / 2, families)
   ax.set_ylabel("greedy eval accuracy")
-  ax.legend(fontsize=7, loc="lower right")
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
   ax.grid(alpha=0.3, axis="y")
   fig.tight_layout()
   return fig

@@ -40,5 +40,8 @@ def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path):
   # rerunning skips the finished runs
   ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=reasoning",
                  "--modes=bf16", f"--data_dir={tmp_path / 'tfds'}"])
+  os.remove(os.path.join(out, "table.md"))
+  ablation.main(["--figures_only", f"--out={out}", f"--figures={figs}", "--families=reasoning"])
+  assert "| reasoning | bf16 |" in open(os.path.join(out, "table.md")).read()
   scope = run_notebook(os.path.join(os.path.dirname(ablation.__file__), "ablation.ipynb"), out)
   assert scope["FAMILIES"] == ["reasoning"]
