@@ -116,50 +116,35 @@ def _decode(codes, scale, decode):
 
 
 def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
-            block_n: int, rows_per_split: int, rows: int, decode: str):
+            block_n: int, rows_per_split: int, rows: int, decode: str, k_major: bool = False):
+  """One [block_m, block_n] output tile over one K split. With `k_major` the weight is stored
+  K-major (codes [N, K/2], scales [N, K/B]) and comes first in the product, y^T = W^T x^T, so
+  the decoded tile is the matrix instruction's A operand, which Hopper can take from registers,
+  instead of a B operand that goes through shared memory; x is then transposed (xe_ref
+  [K/2, M]) and the output tile is [block_n, block_m] of y^T."""
   out_ref = refs[-1]  # refs[0] is the poisoned output buffer when one is passed (aliased)
-  n0 = pl.program_id(0) * block_n
-  m0 = pl.program_id(1) * block_m
-  base = pl.program_id(2) * rows_per_split
-
-  n0 = pl.multiple_of(n0, block_n)  # alignment hints: lets Triton vectorize the loads
-
-  def step(i, acc):
-    r0 = pl.multiple_of(base + i * rows, rows)
-    codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
-    scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
-    w_even, w_odd = _decode(codes, scale, decode)
-    xe = xe_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
-    xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
-    acc += jnp.dot(xe, w_even, preferred_element_type=jnp.float32)
-    return acc + jnp.dot(xo, w_odd, preferred_element_type=jnp.float32)
-
-  acc = jnp.zeros((block_m, block_n), jnp.float32)
-  out_ref[...] = jax.lax.fori_loop(0, rows_per_split // rows, step, acc)
-
-
-def _kmajor_kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
-                   block_n: int, rows_per_split: int, rows: int, decode: str):
-  """The weight K-major (codes [N, K/2], scales [N, K/B]) and first in the product:
-  y^T = W^T x^T, so the decoded tile is the matrix instruction's A operand, which Hopper takes
-  from registers, instead of a B operand that goes through shared memory. x is transposed
-  (xe_ref [K/2, M]); the output block is [block_n, block_m] of y^T."""
-  out_ref = refs[-1]
-  n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
+  n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)  # lets Triton vectorize the loads
   m0 = pl.program_id(1) * block_m
   base = pl.program_id(2) * rows_per_split
 
   def step(i, acc):
     r0 = pl.multiple_of(base + i * rows, rows)
-    codes = codes_ref[pl.ds(n0, block_n), pl.ds(r0, rows)]
-    scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n, k_major=True)
+    if k_major:
+      codes = codes_ref[pl.ds(n0, block_n), pl.ds(r0, rows)]
+      xe = xe_ref[pl.ds(r0, rows), pl.ds(m0, block_m)]
+      xo = xo_ref[pl.ds(r0, rows), pl.ds(m0, block_m)]
+    else:
+      codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
+      xe = xe_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
+      xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
+    scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n,
+                        k_major=k_major)
     w_even, w_odd = _decode(codes, scale, decode)
-    xe = xe_ref[pl.ds(r0, rows), pl.ds(m0, block_m)]
-    xo = xo_ref[pl.ds(r0, rows), pl.ds(m0, block_m)]
-    acc += jnp.dot(w_even, xe, preferred_element_type=jnp.float32)
-    return acc + jnp.dot(w_odd, xo, preferred_element_type=jnp.float32)
+    dot = lambda x, w: jnp.dot(*((w, x) if k_major else (x, w)),
+                               preferred_element_type=jnp.float32)
+    return acc + dot(xe, w_even) + dot(xo, w_odd)
 
-  acc = jnp.zeros((block_n, block_m), jnp.float32)
+  acc = jnp.zeros((block_n, block_m) if k_major else (block_m, block_n), jnp.float32)
   out_ref[...] = jax.lax.fori_loop(0, rows_per_split // rows, step, acc)
 
 
@@ -215,11 +200,11 @@ def _compiler_params(num_warps: int, num_stages: int):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _call(kernel, inputs, out_shape, grid, block_m, block_n, num_warps, num_stages, interpret,
-          poison):
-  """pallas_call with the [splits, M, N] partial output; with `poison`, the output starts as a
+def _call(kernel, inputs, out_shape, grid, out_block, out_index, num_warps, num_stages,
+          interpret, poison):
+  """pallas_call with the [splits, ...] partial output; with `poison`, the output starts as a
   NaN-filled buffer (aliased), so an element the kernel fails to write stays NaN."""
-  out_spec = pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, j, i))
+  out_spec = pl.BlockSpec((None, *out_block), out_index)
   aliases = {}
   in_specs = [pl.no_block_spec] * len(inputs)
   if poison:
@@ -233,74 +218,69 @@ def _call(kernel, inputs, out_shape, grid, block_m, block_n, num_warps, num_stag
       interpret=interpret)(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_m", "block_n", "splits", "rows",
-                                             "num_warps", "num_stages", "interpret", "poison",
-                                             "decode"))
+_MN = lambda i, j, s: (s, j, i)  # output tile (M tile j, N tile i) of split s
+_NM = lambda i, j, s: (s, i, j)  # the same tile of the transposed output
+
+
+def _check_decode(decode: str, interpret: bool) -> None:
+  if decode not in DECODES or (decode == "asm" and interpret):
+    raise ValueError(f"decode must be one of {DECODES} ('asm' is not interpretable), got "
+                     f"{decode!r} with interpret={interpret}")
+
+
+_FP4_STATIC = ("fmt", "block_m", "block_n", "splits", "rows", "num_warps", "num_stages",
+               "interpret", "poison", "decode")
+
+
+@functools.partial(jax.jit, static_argnames=_FP4_STATIC)
 def fp4_matmul_partials(xe, xo, codes, scales, *, fmt: str, block_m: int = 16,
                         block_n: int = 128, splits: int = 1, rows: int = ROWS,
                         num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
                         poison: bool = False, decode: str = "bits"):
   """-> float32 [splits, M, N] partial products (M a multiple of block_m). `decode`: "bits"
   (jnp integer operations, any backend) or "asm" (the PTX pair decode, compiled GPU only)."""
-  if decode not in DECODES or (decode == "asm" and interpret):
-    raise ValueError(f"decode must be one of {DECODES} ('asm' is not interpretable), got "
-                     f"{decode!r} with interpret={interpret}")
+  _check_decode(decode, interpret)
   m, k2 = xe.shape
   n = codes.shape[1]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode)
   return _call(kernel, (xe, xo, codes, scales), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
-               (n // block_n, m // block_m, splits), block_m, block_n, num_warps, num_stages,
-               interpret, poison)
+               (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
+               num_stages, interpret, poison)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_m", "block_n", "splits", "rows",
-                                             "num_warps", "num_stages", "interpret", "poison",
-                                             "decode"))
+@functools.partial(jax.jit, static_argnames=_FP4_STATIC)
 def fp4_kmajor_partials(xe_t, xo_t, codes_t, scales_t, *, fmt: str, block_m: int = 16,
                         block_n: int = 64, splits: int = 1, rows: int = 32, num_warps: int = 4,
                         num_stages: int = 4, interpret: bool = False, poison: bool = False,
                         decode: str = "bits"):
   """K-major weight (codes_t [N, K/2], scales_t [N, K/B]), x transposed (xe_t, xo_t: [K/2, M],
   M a multiple of block_m) -> float32 [splits, N, M] partials of y^T."""
-  if decode not in DECODES or (decode == "asm" and interpret):
-    raise ValueError(f"decode must be one of {DECODES} ('asm' is not interpretable), got "
-                     f"{decode!r} with interpret={interpret}")
+  _check_decode(decode, interpret)
   k2, m = xe_t.shape
   n = codes_t.shape[0]
-  kernel = functools.partial(_kmajor_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
-                             rows_per_split=k2 // splits, rows=rows, decode=decode)
-  out_spec = pl.BlockSpec((None, block_n, block_m), lambda i, j, s: (s, i, j))
-  out_shape = jax.ShapeDtypeStruct((splits, n, m), jnp.float32)
-  inputs, in_specs, aliases = (xe_t, xo_t, codes_t, scales_t), [pl.no_block_spec] * 4, {}
-  if poison:
-    inputs = (*inputs, jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-    in_specs.append(out_spec)
-    aliases = {4: 0}
-  return pl.pallas_call(
-      kernel, grid=(n // block_n, m // block_m, splits), in_specs=in_specs, out_specs=out_spec,
-      out_shape=out_shape, input_output_aliases=aliases,
-      compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
-      interpret=interpret)(*inputs)
+  kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
+                             rows_per_split=k2 // splits, rows=rows, decode=decode, k_major=True)
+  return _call(kernel, (xe_t, xo_t, codes_t, scales_t),
+               jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
+               (n // block_n, m // block_m, splits), (block_n, block_m), _NM, num_warps,
+               num_stages, interpret, poison)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_n", "splits", "rows", "num_warps",
-                                             "num_stages", "interpret", "poison", "decode"))
+@functools.partial(jax.jit, static_argnames=tuple(a for a in _FP4_STATIC if a != "block_m"))
 def fp4_gemv_partials(xe_t, xo_t, codes, scales, *, fmt: str, block_n: int = 128,
                       splits: int = 1, rows: int = ROWS, num_warps: int = 4,
                       num_stages: int = 3, interpret: bool = False, poison: bool = False,
                       decode: str = "bits"):
   """The few-row kernel: x transposed (xe_t, xo_t: [K/2, M], M <= 8) -> float32 [splits, M, N]."""
-  if decode not in DECODES or (decode == "asm" and interpret):
-    raise ValueError(f"decode must be one of {DECODES} ('asm' is not interpretable), got "
-                     f"{decode!r} with interpret={interpret}")
+  _check_decode(decode, interpret)
   k2, m = xe_t.shape
   n = codes.shape[1]
   kernel = functools.partial(_gemv_kernel, fmt=fmt, m=m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode)
   return _call(kernel, (xe_t, xo_t, codes, scales),
-               jax.ShapeDtypeStruct((splits, m, n), jnp.float32), (n // block_n, 1, splits), m,
-               block_n, num_warps, num_stages, interpret, poison)
+               jax.ShapeDtypeStruct((splits, m, n), jnp.float32), (n // block_n, 1, splits),
+               (m, block_n), _MN, num_warps, num_stages, interpret, poison)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "splits",
@@ -314,5 +294,5 @@ def bf16_matmul_partials(x, w, *, block_m: int = 16, block_n: int = 128, block_k
   kernel = functools.partial(_bf16_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                              k_per_split=k // splits)
   return _call(kernel, (x, w), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
-               (n // block_n, m // block_m, splits), block_m, block_n, num_warps, num_stages,
-               interpret, poison)
+               (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
+               num_stages, interpret, poison)
