@@ -77,6 +77,8 @@ def curves(out: str, families, key: str, ylabel: str, log: bool = False, smooth:
       n = min(len(r[0]) for r in runs)
       x, y = runs[0][0][:n], np.mean([r[1][:n] for r in runs], axis=0)
       ys = _smooth(y, smooth)
+      if log:  # exact zeros (trace_all's KL at most steps) sit on the floor of the axis
+        ys = np.maximum(ys, 1e-12)
       ax.plot(x[len(x) - len(ys):], ys, color=COLORS[mode], label=mode, lw=1.5)
   return _finish(fig, panels, "step", ylabel, log)
 
