@@ -2,6 +2,7 @@
 
     python experiments/ablation.py [--out=experiments/results] [--seeds=0] \
         [--families=reasoning,coding,long_horizon] [--modes=bf16,fp4_rollout,fp4_qat,trace,trace_all]
+    python experiments/ablation.py --figures_only   # redraw figures and table from summary.json
 
 For every family, mode and seed: one RL run (configs/<family>.py with a 3-layer policy, so that
 `trace` can keep the deepest layer's records while `trace_all` keeps all three). Rerunning the
