@@ -25,7 +25,9 @@ def data_dir(tmp_path_factory):
 
 
 def smoke(data_dir, *extra, config=reasoning):
-  c = config.get_config(",".join(("smoke",) + extra))
+  # one device: these tests check the run loop; tests/test_sharding.py checks that 8 devices
+  # compute the same as one, and compiling for 8 fake CPU devices triples these tests' time
+  c = config.get_config(",".join(("smoke", "mesh.data=1") + extra))
   c.data_dir = data_dir
   return c
 
@@ -148,7 +150,8 @@ def test_bad_config_fails_before_any_work(data_dir, tmp_path):
                             ("rl.correction=ppo", r"rl.correction='ppo'.*'tis'"),
                             ("rl.trace_layers=last:7", r"rl.trace_layers='last:7'"),
                             ("rl.group_size=1", "rl.group_size must be >= 2"),
-                            ("rl.minibatches=3", "does not split into rl.minibatches=3")]:
+                            ("rl.minibatches=3", "does not split into rl.minibatches=3"),
+                            ("mesh.data=9", r"mesh.data=9 x mesh.expert=1 needs more than")]:
     with pytest.raises(ValueError, match=message):
       train(smoke(data_dir, override), str(tmp_path / "w"), progress=False)
     assert not os.path.exists(tmp_path / "w" / "metrics.jsonl")

@@ -73,6 +73,8 @@ def test_training_sharded_float32_agrees_to_rounding():
 def test_mesh_and_rule_errors():
   with pytest.raises(ValueError, match="data=3 x expert=4 needs 12 devices, have 8"):
     S.make_mesh(data=3, expert=4)
+  sub = S.make_mesh(data=2, expert=1)  # a mesh over the first devices only
+  assert sub.devices.shape == (2, 1) and list(sub.devices.flat) == jax.devices()[:2]
   mesh = S.make_mesh(data=2, expert=4)
   with pytest.raises(ValueError, match="batch of 6 does not split.*size 8"):
     S.batch_shardings(jnp.zeros((6, 3)), mesh, S.TRAIN_RULES)

@@ -30,14 +30,15 @@ _EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 def make_mesh(data: int | None = None, expert: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, expert) mesh over `devices` (default: all); data defaults to what is left."""
+  """A (data, expert) mesh over the first data x expert of `devices` (default: all of
+  jax.devices()); data defaults to every device that expert leaves."""
   devices = list(jax.devices() if devices is None else devices)
   if data is None:
     data = len(devices) // expert
-  if data * expert != len(devices):
+  if data < 1 or expert < 1 or data * expert > len(devices):
     raise ValueError(f"mesh data={data} x expert={expert} needs {data * expert} devices, "
                      f"have {len(devices)}")
-  return Mesh(np.asarray(devices).reshape(data, expert), AXES)
+  return Mesh(np.asarray(devices[:data * expert]).reshape(data, expert), AXES)
 
 
 def spec(logical: Sequence[str | None], rules: Rules) -> P:

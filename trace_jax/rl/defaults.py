@@ -58,7 +58,8 @@ def base_config() -> ml_collections.ConfigDict:
       flip_rate_every=10,  # steps between rollouts that keep every code (0: never)
       tensorboard=True))
   c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=2))
-  c.mesh = ml_collections.ConfigDict(dict(data=0, expert=1))  # data 0: every device
+  # the first data x expert devices; data 0: every device that expert leaves
+  c.mesh = ml_collections.ConfigDict(dict(data=0, expert=1))
   return c
 
 

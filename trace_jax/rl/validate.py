@@ -50,9 +50,9 @@ def _check_mesh(c, n_devices: int) -> None:
   rollout over the data axis."""
   expert = c.mesh.expert
   data = c.mesh.data or n_devices // max(expert, 1)
-  if expert < 1 or data * expert != n_devices:
-    raise ValueError(f"mesh.data={c.mesh.data} x mesh.expert={expert} does not cover the "
-                     f"{n_devices} devices")
+  if expert < 1 or data < 1 or data * expert > n_devices:
+    raise ValueError(f"mesh.data={c.mesh.data} x mesh.expert={expert} needs more than the "
+                     f"{n_devices} devices there are")
   rl_batch = c.rl.prompts_per_step * c.rl.group_size
   for name, size in [("sft.batch_size", c.sft.batch_size), ("eval.batch_size", c.eval.batch_size),
                      ("rl.prompts_per_step x rl.group_size / rl.minibatches",
