@@ -69,6 +69,9 @@ def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m:
   if implementation == "xla":
     return reference.fp4_matmul(x, w)
   if w.axis == -1:
+    if variant not in (None, "dot"):
+      raise ValueError(f"variant {variant!r} takes the [K, N] weight; a K-major weight runs the "
+                       "dot kernel (reference.transpose converts between the two)")
     return _kmajor(x, w, k, n, block_m=block_m, block_n=block_n, splits=splits, rows=rows,
                    num_warps=num_warps, num_stages=num_stages, decode=decode,
                    interpret=interpret, poison=poison)

@@ -11,6 +11,12 @@ NVFP4 blocks), builds their exact bf16 values from bits (E2M1 x scale) and issue
 with float32 accumulation.
 The grid is (N tiles, M tiles, K splits): decode batches are small, so the K range is split to
 give every multiprocessor work; the splits' float32 partials are summed outside.
+
+Variants, all with the same numerics: the decode in jnp integer operations ("bits") or in PTX
+("asm", about a third of the instructions); the weight N-major as above or K-major (codes
+[N, K/2], the decoded tile first in the product); and a few-row kernel of float32
+multiply-adds instead of matrix instructions (`fp4_gemv_partials`). BENCHMARKS.md has what
+each measured on the H200.
 """
 
 from __future__ import annotations

@@ -123,6 +123,9 @@ def test_leading_dims_and_errors():
     fp4_matmul(x, w, implementation="pallas", block_n=96, interpret=True)
   with pytest.raises(ValueError, match="'gemv' for at most 8 rows"):
     fp4_matmul(x.repeat(2, 0), w, implementation="pallas", variant="gemv", interpret=True)
+  with pytest.raises(ValueError, match="a K-major weight runs the dot kernel"):
+    fp4_matmul(x, reference.transpose(w), implementation="pallas", variant="gemv",
+               interpret=True)
   with pytest.raises(ValueError, match="not interpretable"):
     fp4_matmul(x, w, implementation="pallas", decode="asm", interpret=True)
   with pytest.raises(ValueError, match="MXFP4 and NVFP4"):
