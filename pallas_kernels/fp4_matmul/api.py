@@ -120,6 +120,54 @@ def _kmajor(x, w, k, n, *, block_m, block_n, splits, rows, num_warps, num_stages
   return _finish(jnp.swapaxes(partials, 1, 2), m, w, lead, n)
 
 
+def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, *,
+                       implementation: str = "xla", block_m: int = 16, block_n: int = 64,
+                       splits: int | None = None, rows: int = 32, num_warps: int = 4,
+                       num_stages: int = 4, decode: str | None = None, interpret: bool = False,
+                       poison: bool = False) -> jax.Array:
+  """The MoE expert matmul: x [T, K], rows sorted by expert (group_sizes[e] rows for expert e,
+  as `jax.lax.ragged_dot` takes them) @ W[e] [K, N] for per-expert FP4 weights w [E, K, N]
+  -> [T, N] bf16; rows past sum(group_sizes) come out zero.
+
+  The pallas implementation pads each group to whole block_m-row tiles (at most
+  ceil(T / block_m) + E tiles, a static bound; unused tiles multiply zeros) and runs the dot
+  kernel with each tile's expert read from a small table."""
+  _check_impl(implementation)
+  reference.check_weight(w, grouped=True)
+  e, k, n = w.shape
+  if x.ndim != 2 or x.shape[-1] != k or group_sizes.shape != (e,):
+    raise ValueError(f"grouped_fp4_matmul takes x [T, {k}] and group_sizes [{e}] for weights "
+                     f"{w.shape}, got x {x.shape} and group_sizes {group_sizes.shape}")
+  if implementation == "xla":
+    return reference.grouped_fp4_matmul(x, w, group_sizes)
+  if n % block_n or k % (2 * rows) or rows % 16:
+    raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}), rows "
+                     f"({rows}) a multiple of 16 and K ({k}) divisible by 2 x rows")
+  t = x.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  tiles = -(-sizes // block_m)
+  tile_end = jnp.cumsum(tiles)
+  n_tiles = -(-t // block_m) + e  # static bound on sum(tiles)
+  row_end = jnp.cumsum(sizes)
+  rows_i = jnp.arange(t, dtype=jnp.int32)
+  expert_of_row = jnp.minimum(jnp.searchsorted(row_end, rows_i, side="right"), e - 1)
+  valid = rows_i < row_end[-1]
+  dest = (tile_end - tiles)[expert_of_row] * block_m + rows_i - (row_end - sizes)[expert_of_row]
+  dest = jnp.where(valid, dest, n_tiles * block_m)  # out of range: dropped
+  x2 = jnp.zeros((n_tiles * block_m, k), jnp.bfloat16).at[dest].set(
+      x.astype(jnp.bfloat16), mode="drop")
+  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"),
+                            e - 1).astype(jnp.int32)
+  splits = splits or default_splits(n_tiles, n // block_n, (k // 2) // rows)
+  partials = kernel.grouped_fp4_partials(
+      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, tile_expert,
+      fmt="mxfp4" if w.fmt.name == "mxfp4" else "nvfp4", block_m=block_m, block_n=block_n,
+      splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
+      decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
+  y = _finish(partials, n_tiles * block_m, w, (n_tiles * block_m,), n)
+  return jnp.where(valid[:, None], y[jnp.minimum(dest, n_tiles * block_m - 1)], 0)
+
+
 def _finish(partials, m, w, lead, n):
   y = jnp.sum(partials, axis=0)[:m]  # NaN here means an unwritten (poisoned) element
   if w.global_scale is not None:

@@ -92,7 +92,7 @@ def e4m3_bf16(s):
       jnp.bfloat16)
 
 
-def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n, k_major=False):
+def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n, k_major=False, expert=()):
   """The bf16 scale of every packed row of the step, [rows, block_n] ([block_n, rows] when
   `k_major`, scales_ref then being [N, K/B]): one scale row per `group` packed rows (16 for
   MXFP4, 8 for NVFP4), selected per row (no reshapes)."""
@@ -100,8 +100,8 @@ def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n, k_major=False):
   decode = e8m0_bf16 if fmt == "mxfp4" else e4m3_bf16
   if k_major:
     load = lambda j: scales_ref[pl.ds(n0, block_n), pl.ds(r0 // group + j, 1)]
-  else:
-    load = lambda j: scales_ref[pl.ds(r0 // group + j, 1), pl.ds(n0, block_n)]
+  else:  # `expert`: the leading index of a grouped [E, K/B, N] scales_ref
+    load = lambda j: scales_ref[(*expert, pl.ds(r0 // group + j, 1), pl.ds(n0, block_n))]
   raw = lambda j: decode(load(j).astype(jnp.int32) if fmt == "mxfp4" else load(j))
   tile = raw(0)
   if rows > group:
@@ -122,16 +122,19 @@ def _decode(codes, scale, decode):
 
 
 def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
-            block_n: int, rows_per_split: int, rows: int, decode: str, k_major: bool = False):
+            block_n: int, rows_per_split: int, rows: int, decode: str, k_major: bool = False,
+            grouped: bool = False):
   """One [block_m, block_n] output tile over one K split. With `k_major` the weight is stored
   K-major (codes [N, K/2], scales [N, K/B]) and comes first in the product, y^T = W^T x^T, so
   the decoded tile is the matrix instruction's A operand, which Hopper can take from registers,
   instead of a B operand that goes through shared memory; x is then transposed (xe_ref
-  [K/2, M]) and the output tile is [block_n, block_m] of y^T."""
-  out_ref = refs[-1]  # refs[0] is the poisoned output buffer when one is passed (aliased)
+  [K/2, M]) and the output tile is [block_n, block_m] of y^T. With `grouped` the weight is
+  per expert ([E, K/2, N] codes) and refs[0] holds each M tile's expert."""
+  out_ref = refs[-1]  # before it, the poisoned output buffer when one is passed (aliased)
   n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)  # lets Triton vectorize the loads
   m0 = pl.program_id(1) * block_m
   base = pl.program_id(2) * rows_per_split
+  expert = (refs[0][pl.program_id(1)],) if grouped else ()
 
   def step(i, acc):
     r0 = pl.multiple_of(base + i * rows, rows)
@@ -140,11 +143,11 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
       xe = xe_ref[pl.ds(r0, rows), pl.ds(m0, block_m)]
       xo = xo_ref[pl.ds(r0, rows), pl.ds(m0, block_m)]
     else:
-      codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
+      codes = codes_ref[(*expert, pl.ds(r0, rows), pl.ds(n0, block_n))]
       xe = xe_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
       xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
     scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n,
-                        k_major=k_major)
+                        k_major=k_major, expert=expert)
     w_even, w_odd = _decode(codes, scale, decode)
     dot = lambda x, w: jnp.dot(*((w, x) if k_major else (x, w)),
                                preferred_element_type=jnp.float32)
@@ -270,6 +273,24 @@ def fp4_kmajor_partials(xe_t, xo_t, codes_t, scales_t, *, fmt: str, block_m: int
   return _call(kernel, (xe_t, xo_t, codes_t, scales_t),
                jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
                (n // block_n, m // block_m, splits), (block_n, block_m), _NM, num_warps,
+               num_stages, interpret, poison)
+
+
+@functools.partial(jax.jit, static_argnames=_FP4_STATIC)
+def grouped_fp4_partials(xe, xo, codes, scales, tile_expert, *, fmt: str, block_m: int = 16,
+                         block_n: int = 64, splits: int = 1, rows: int = 32, num_warps: int = 4,
+                         num_stages: int = 4, interpret: bool = False, poison: bool = False,
+                         decode: str = "bits"):
+  """Per-expert weights (codes [E, K/2, N], scales [E, K/B, N]); x's rows in block_m-row tiles,
+  tile t multiplied by expert tile_expert[t] -> float32 [splits, M, N] partials."""
+  _check_decode(decode, interpret)
+  m, k2 = xe.shape
+  n = codes.shape[-1]
+  kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
+                             rows_per_split=k2 // splits, rows=rows, decode=decode, grouped=True)
+  return _call(kernel, (xe, xo, codes, scales, tile_expert),
+               jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+               (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
                num_stages, interpret, poison)
 
 

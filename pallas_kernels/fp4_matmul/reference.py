@@ -15,8 +15,13 @@ from trace_jax.quant import QArray
 from trace_jax.quant.codecs import E2M1, E4M3, exp2i, unpack_nibbles
 
 
-def check_weight(w: QArray) -> None:
-  if not isinstance(w, QArray) or w.codes.ndim != 2 or w.axis not in (-2, -1):
+def check_weight(w: QArray, grouped: bool = False) -> None:
+  if grouped:
+    if not isinstance(w, QArray) or w.codes.ndim != 3 or w.axis != -2:
+      raise ValueError("grouped_fp4_matmul expects per-expert weights [E, K, N] quantized along "
+                       f"K (axis 1), got {type(w).__name__} {getattr(w, 'shape', None)} axis "
+                       f"{getattr(w, 'axis', None)}")
+  elif not isinstance(w, QArray) or w.codes.ndim != 2 or w.axis not in (-2, -1):
     raise ValueError("fp4_matmul expects a [K, N] weight quantized along K (axis 0), or its "
                      "K-major transpose [N, K] quantized along K (axis 1), got "
                      f"{type(w).__name__} {getattr(w, 'shape', None)} axis "
@@ -42,14 +47,14 @@ def block_scales(w: QArray) -> jax.Array:
 
 
 def dequantize_bf16(w: QArray) -> tuple[jax.Array, jax.Array]:
-  """-> (bf16 [K, N] weight without the global, float32 global (1.0 for MXFP4))."""
-  check_weight(w)
+  """-> (bf16 [..., K, N] weight without the global, float32 global (1.0 for MXFP4))."""
+  check_weight(w, grouped=w.codes.ndim == 3)
   if w.axis == -1:
     w = transpose(w)
-  codes = unpack_nibbles(jnp.moveaxis(w.codes, 0, -1))  # [N, K]
-  values = jnp.moveaxis(E2M1.decode(codes), -1, 0)  # [K, N]
+  codes = unpack_nibbles(jnp.moveaxis(w.codes, -2, -1))  # [..., N, K]
+  values = jnp.moveaxis(E2M1.decode(codes), -1, -2)  # [..., K, N]
   block = w.fmt.block_size
-  scales = jnp.repeat(block_scales(w), block, axis=0)
+  scales = jnp.repeat(block_scales(w), block, axis=-2)
   g = jnp.float32(1.0) if w.global_scale is None else w.global_scale.reshape(())
   return (values * scales).astype(jnp.bfloat16), g
 
@@ -58,6 +63,15 @@ def fp4_matmul(x: jax.Array, w: QArray) -> jax.Array:
   """x [..., K] (bf16) @ W [K, N] -> [..., N] bf16, float32 accumulation."""
   w_bf16, g = dequantize_bf16(w)
   y = jnp.dot(x.astype(jnp.bfloat16), w_bf16, preferred_element_type=jnp.float32)
+  return (y * g).astype(jnp.bfloat16)
+
+
+def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array) -> jax.Array:
+  """MoE expert matmul: x [T, K] (rows sorted by expert, group_sizes[e] rows for expert e) @
+  W[e] [K, N] -> [T, N] bf16, float32 accumulation; rows past sum(group_sizes) come out 0."""
+  w_bf16, g = dequantize_bf16(w)
+  y = jax.lax.ragged_dot(x.astype(jnp.bfloat16), w_bf16, group_sizes.astype(jnp.int32),
+                         preferred_element_type=jnp.float32)
   return (y * g).astype(jnp.bfloat16)
 
 

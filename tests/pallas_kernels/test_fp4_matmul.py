@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp4_matmul import bf16_matmul, fp4_matmul
+from pallas_kernels.fp4_matmul import bf16_matmul, fp4_matmul, grouped_fp4_matmul
 from pallas_kernels.fp4_matmul import reference
 from pallas_kernels.fp4_matmul.kernel import E2M1_ASM
 from tests.pallas_kernels import ptx_emu
@@ -76,6 +76,47 @@ def test_kmajor_kernel_in_interpret_mode(fmt, m, splits, rows):
                    poison=True)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, fp4_matmul(x, w)) < 2e-3
+
+
+def grouped_inputs(seed, t, k, n, sizes, fmt):
+  kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(kx, (t, k), jnp.bfloat16)
+  w = jax.random.normal(kw, (len(sizes), k, n)) * jnp.exp(jax.random.normal(kw, (len(sizes), 1, n)))
+  return x, quantize(w, fmt, axis=-2), jnp.asarray(sizes, jnp.int32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_grouped_reference_is_one_matmul_per_expert(fmt):
+  x, w, sizes = grouped_inputs(0, 30, 256, 128, [5, 0, 17, 3], fmt)
+  got = np.asarray(grouped_fp4_matmul(x, w, sizes), np.float32)
+  start = 0
+  for e, size in enumerate([5, 0, 17, 3]):
+    we = type(w)(w.codes[e], w.scales[e], w.global_scale if w.global_scale is None
+                 else w.global_scale.reshape(1, 1), w.fmt, -2)
+    np.testing.assert_array_equal(got[start:start + size],
+                                  np.asarray(fp4_matmul(x[start:start + size], we), np.float32))
+    start += size
+  assert not got[start:].any()  # rows past the groups
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("sizes,t", [([5, 0, 17, 3], 27), ([0, 0, 1], 1),
+                                     ([40], 40)])
+def test_grouped_kernel_in_interpret_mode(fmt, sizes, t):
+  x, w, sizes = grouped_inputs(t, t, 256, 128, sizes, fmt)
+  got = grouped_fp4_matmul(x, w, sizes, implementation="pallas", splits=2, interpret=True,
+                           poison=True)
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, grouped_fp4_matmul(x, w, sizes)) < 2e-3
+  assert not np.asarray(got, np.float32)[int(sizes.sum()):].any()  # rows past the groups
+
+
+def test_grouped_errors():
+  x, w, sizes = grouped_inputs(0, 8, 256, 128, [4, 4], MXFP4)
+  with pytest.raises(ValueError, match=r"group_sizes \[2\]"):
+    grouped_fp4_matmul(x, w, sizes[:1])
+  with pytest.raises(ValueError, match="per-expert weights"):
+    grouped_fp4_matmul(x, w.codes, sizes)
 
 
 def test_decode_asm_bit_for_bit():
@@ -150,7 +191,21 @@ def test_kernel_on_gpu(fmt, m, variant, k, n, decode):
       for got in outs:
         assert not np.isnan(np.asarray(got, np.float32)).any()
         assert rel(got, fp4_matmul(x, w)) < 2e-3
-  w16 = w.codes.astype(jnp.bfloat16)[:k // 2].repeat(2, 0)
+  w16 = w.codes.astype(jnp.bfloat16)[:k // 2].repeat(2, 0)  # (the bf16 twin, same inputs)
   got = bf16_matmul(x, w16, implementation="pallas", poison=True)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, bf16_matmul(x, w16)) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("sizes", [[1, 0, 7, 3, 2, 0, 0, 5], [64] * 4, [3, 200, 1, 60]])
+def test_grouped_kernel_on_gpu(fmt, sizes):
+  for seed in range(2):  # fresh inputs each time
+    t = sum(sizes) + 3  # and rows past the groups
+    x, w, group_sizes = grouped_inputs(seed * 31 + t, t, 2048, 768, sizes, fmt)
+    for rows in (16, 32):
+      got = grouped_fp4_matmul(x, w, group_sizes, implementation="pallas", rows=rows,
+                               poison=True)
+      assert not np.isnan(np.asarray(got, np.float32)).any()
+      assert rel(got, grouped_fp4_matmul(x, w, group_sizes)) < 2e-3
