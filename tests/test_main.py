@@ -26,7 +26,7 @@ def data_dir(tmp_path_factory):
 
 def smoke(data_dir, *extra, config=reasoning):
   # one device: these tests check the run loop; tests/test_sharding.py checks that 8 devices
-  # compute the same as one, and compiling for 8 fake CPU devices triples these tests' time
+  # compute the same as one, and programs for 8 fake CPU devices make these tests ~20% slower
   c = config.get_config(",".join(("smoke", "mesh.data=1") + extra))
   c.data_dir = data_dir
   return c
