@@ -80,7 +80,7 @@ def device_seconds(fn, *args, calls: int = 1) -> float | None:
   return sum(KERNELS.values()) / 1e6
 
 
-def _time(matmul, x, weights, reps: int = 7) -> tuple[float, float | None]:
+def time_calls(matmul, x, weights, reps: int = 7) -> tuple[float, float | None]:
   """(wall, device) seconds per matmul. One jitted call runs the matmul once on each weight copy
   (separate buffers, together larger than the L2 cache; one dispatch) and returns every output.
   Wall: the median over `reps` calls, host dispatch included (it dominates short kernels);
@@ -202,9 +202,9 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
         print(json.dumps(result["rows"][-1]), flush=True)  # partial results survive a timeout
 
       ref16 = reference.bf16_matmul(x, w16[0])
-      record("xla bf16", _time(reference.bf16_matmul, x, w16), k * n * 2, 0.0)
+      record("xla bf16", time_calls(reference.bf16_matmul, x, w16), k * n * 2, 0.0)
       g = lambda a, b: api.bf16_matmul(a, b, implementation="pallas")
-      attempt(lambda: record("pallas bf16", _time(g, x, w16), k * n * 2,
+      attempt(lambda: record("pallas bf16", time_calls(g, x, w16), k * n * 2,
                              _rel(jax.jit(g)(x, w16[0]), ref16)), "pallas bf16")
       t = torch_time(m, k, n, copies)
       if t is not None:
@@ -212,7 +212,7 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
       for fmt, ws in packed.items():
         wbytes = ws[0].nbytes
         ref = reference.fp4_matmul(x, ws[0])
-        record(f"xla {fmt} dequant+dot", _time(reference.fp4_matmul, x, ws), wbytes, 0.0)
+        record(f"xla {fmt} dequant+dot", time_calls(reference.fp4_matmul, x, ws), wbytes, 0.0)
         wts = None
         for cfg in configs:
           if n % cfg["block_n"] or (cfg.get("variant") == "gemv" and m > 8):
@@ -225,7 +225,7 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
             args, label = ws, kw
           p = lambda a, b, kw=kw: api.fp4_matmul(a, b, implementation="pallas", **kw)
           attempt(lambda p=p, args=args, label=label: record(
-              f"pallas {fmt}", _time(p, x, args), wbytes, _rel(jax.jit(p)(x, args[0]), ref),
+              f"pallas {fmt}", time_calls(p, x, args), wbytes, _rel(jax.jit(p)(x, args[0]), ref),
               label), f"pallas {fmt} {cfg}")
   return result
 
@@ -249,12 +249,12 @@ def overhead_and_bf16_sweep(batches=(1, 16)) -> dict:
     x = jax.random.normal(jax.random.PRNGKey(99), (m, k), jnp.bfloat16)
     null = lambda a, b: jnp.zeros((a.shape[0], b.shape[1]), jnp.bfloat16) + a[:, :1]
     us = lambda t: {"wall_us": t[0] * 1e6, "us": (t[1] or t[0]) * 1e6}
-    out["rows"].append({"M": m, "variant": "harness (zeros)", **us(_time(null, x, ws))})
-    out["rows"].append({"M": m, "variant": "xla bf16", **us(_time(reference.bf16_matmul, x, ws))})
+    out["rows"].append({"M": m, "variant": "harness (zeros)", **us(time_calls(null, x, ws))})
+    out["rows"].append({"M": m, "variant": "xla bf16", **us(time_calls(reference.bf16_matmul, x, ws))})
     for cfg in BF16_SWEEP:
       fn = lambda a, b, cfg=cfg: api.bf16_matmul(a, b, implementation="pallas", **cfg)
       try:
-        out["rows"].append({"M": m, "variant": "pallas bf16", **cfg, **us(_time(fn, x, ws))})
+        out["rows"].append({"M": m, "variant": "pallas bf16", **cfg, **us(time_calls(fn, x, ws))})
       except Exception as e:  # noqa: BLE001
         out["rows"].append({"M": m, "variant": f"pallas bf16 {cfg} failed: {str(e)[:200]}"})
   for r in out["rows"]:
@@ -315,7 +315,7 @@ def load_probe(k: int = 4096, n: int = 14336, copies: int = 8) -> list[dict]:
       f = lambda a, w, r=rows, b=bn_eff, s=splits, nw=warps, st=stages: probe(w, r, b, s, nw,
                                                                                st)
       try:
-        wall, dev = _time(f, x, ws)
+        wall, dev = time_calls(f, x, ws)
       except Exception as e:  # noqa: BLE001
         rows_out.append({"probe": name, "error": str(e)[:200]})
         continue

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fp4_matmul.bench import _time, copy_bandwidth
+from pallas_kernels.fp4_matmul.bench import copy_bandwidth, time_calls
 from pallas_kernels.quantize_record import quantize_and_record
 from trace_jax.quant import get_format
 
@@ -49,7 +49,7 @@ def run() -> dict:
           got = jax.jit(lambda w: fn(None, w))(xs[0])
           row["exact"] = all(np.array_equal(np.asarray(u), np.asarray(v)) for u, v in zip(
               jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
-          wall, dev = _time(fn, None, xs)
+          wall, dev = time_calls(fn, None, xs)
           sec = dev or wall
           row.update(us=sec * 1e6, wall_us=wall * 1e6, GBps=nbytes / sec / 1e9,
                      copy_frac=nbytes / sec / result["copy_bytes_per_s"])
