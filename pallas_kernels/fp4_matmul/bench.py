@@ -250,7 +250,8 @@ def overhead_and_bf16_sweep(batches=(1, 16)) -> dict:
     null = lambda a, b: jnp.zeros((a.shape[0], b.shape[1]), jnp.bfloat16) + a[:, :1]
     us = lambda t: {"wall_us": t[0] * 1e6, "us": (t[1] or t[0]) * 1e6}
     out["rows"].append({"M": m, "variant": "harness (zeros)", **us(time_calls(null, x, ws))})
-    out["rows"].append({"M": m, "variant": "xla bf16", **us(time_calls(reference.bf16_matmul, x, ws))})
+    out["rows"].append({"M": m, "variant": "xla bf16",
+                        **us(time_calls(reference.bf16_matmul, x, ws))})
     for cfg in BF16_SWEEP:
       fn = lambda a, b, cfg=cfg: api.bf16_matmul(a, b, implementation="pallas", **cfg)
       try:
@@ -339,7 +340,8 @@ def table(result: dict) -> str:
            f"{r.get('kernel', '')}"
            if "block_n" in r else "")
     lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:40s} {r['us']:9.1f} "
-                 f"{r['wall_us']:8.1f} {r['GB/s']:8.0f} {100 * r['copy_frac']:6.1f} {r['rel_err']:8.1e}")
+                 f"{r['wall_us']:8.1f} {r['GB/s']:8.0f} {100 * r['copy_frac']:6.1f} "
+                 f"{r['rel_err']:8.1e}")
   return "\n".join(lines + [f"ERROR {e}" for e in errors[:10]])
 
 
