@@ -1,0 +1,76 @@
+"""Dispatch: `decode_attention(q, k, v, mask, implementation="xla" | "pallas")`.
+
+"xla" is the pure-jnp reference and runs anywhere; "pallas" runs the kernel (GPU, or any
+backend with interpret=True). The caches are the rollout engine's: [B, S, Kv, Dh] bf16 arrays,
+or MXFP4 / NVFP4 `QArray`s quantized along head_dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.decode_attention import kernel, reference
+from trace_jax.quant import QArray
+
+IMPLEMENTATIONS = ("xla", "pallas")
+MIN_ROWS = 16  # the smallest matrix-instruction tile: fewer query heads per kv head are padded
+
+
+def default_splits(programs: int, blocks: int, target: int = 4 * 132) -> int:
+  """Sequence splits that give each of the H200's 132 multiprocessors several programs (powers
+  of two dividing the blocks of slots, at most 64)."""
+  splits = 1
+  while programs * splits < target and blocks % (splits * 2) == 0 and splits < 64:
+    splits *= 2
+  return splits
+
+
+def _cache_arrays(c):
+  if not isinstance(c, QArray):
+    return "bf16", (c.astype(jnp.bfloat16),)
+  fmt = c.fmt.name
+  return fmt, (c.codes, c.scales) + ((c.global_scale,) if fmt == "nvfp4" else ())
+
+
+def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
+                     implementation: str = "xla", block_s: int = 64, splits: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2, decode: str | None = None,
+                     interpret: bool = False, poison: bool = False) -> jax.Array:
+  """One query per sequence, q [B, H, Dh], against the caches K, V [B, S, Kv, Dh] at the slots
+  where mask [B, S] is true -> [B, H, Dh] bf16 (query head h reads kv head h // (H / Kv)).
+
+  `decode` ("asm" | "bits") picks how the kernel unpacks FP4, as in `fp4_matmul`; `splits` how
+  many programs share one sequence (default: enough to fill the device)."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  reference.check(q_BxHxDh, k, v, mask_BxS)
+  if implementation == "xla":
+    return reference.decode_attention(q_BxHxDh, k, v, mask_BxS)
+  b, h, dh = q_BxHxDh.shape
+  s, kv = k.shape[1], k.shape[2]
+  if s % block_s or dh % 32:
+    raise ValueError(f"the pallas kernel needs the cache's {s} slots divisible by block_s "
+                     f"({block_s}) and head_dim ({dh}) a multiple of 32")
+  fmt, k_arrays = _cache_arrays(k)
+  fmt_v, v_arrays = _cache_arrays(v)
+  if fmt != fmt_v:
+    raise ValueError(f"K ({fmt}) and V ({fmt_v}) caches must share a format")
+  g = h // kv
+  rows = max(g, MIN_ROWS)
+  q = q_BxHxDh.astype(jnp.bfloat16).reshape(b, kv, g, dh)
+  if fmt != "bf16":  # head_dim in [even | odd] order, the order of the decoded nibbles
+    q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+  splits = splits or default_splits(b * kv, s // block_s)
+  if (s // block_s) % splits:
+    raise ValueError(f"splits ({splits}) must divide the {s // block_s} blocks of {block_s} "
+                     "slots")
+  o, m, l = kernel.decode_attention_partials(
+      q, mask_BxS.astype(jnp.int8), k_arrays, v_arrays, fmt=fmt, block_s=block_s, splits=splits,
+      num_warps=num_warps, num_stages=num_stages,
+      decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
+  out = kernel.combine(o, m, l)[:, :, :g]  # NaN here means an unwritten (poisoned) element
+  if fmt != "bf16":
+    out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)
+  return out.reshape(b, h, dh).astype(jnp.bfloat16)

@@ -1,0 +1,133 @@
+"""Decode attention kernel against its reference: interpret mode on CPU, compiled on a GPU (-m gpu)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_attention import decode_attention, reference
+from trace_jax.models import layers as L
+from trace_jax.quant import MXFP4, NVFP4, dequantize, quantize
+
+FORMATS = [None, MXFP4, NVFP4]  # None: a bf16 cache
+fmt_id = lambda f: "bf16" if f is None else f.name
+
+
+def inputs(seed, b, s, kv, g, dh, fmt, lengths=None):
+  """q, K, V (packed when fmt is given) and a left-padded mask: sequence i holds slots
+  [pad_i, lengths_i)."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (b, kv * g, dh), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, s, kv, dh)) * jnp.exp(jax.random.normal(ks[3], (1, s, kv, 1)))
+  v = jax.random.normal(ks[2], (b, s, kv, dh))
+  lengths = np.full(b, s) if lengths is None else np.asarray(lengths)
+  pad = np.arange(b) % 3
+  slots = np.arange(s)
+  mask = jnp.asarray((slots >= pad[:, None]) & (slots < lengths[:, None]))
+  if fmt is None:
+    return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), mask
+  return q, quantize(k, fmt), quantize(v, fmt), mask
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_reference_is_softmax_attention(fmt):
+  q, k, v, mask = inputs(0, 3, 64, 2, 4, 32, fmt, lengths=[64, 40, 7])
+  kd, vd = (np.asarray(dequantize(c) if fmt else c, np.float64) for c in (k, v))
+  qd = np.asarray(q, np.float64).reshape(3, 2, 4, 32)
+  s = np.einsum("bkgd,bskd->bkgs", qd, kd) / np.sqrt(32)
+  s = np.where(np.asarray(mask)[:, None, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum("bkgs,bskd->bkgd", p / p.sum(-1, keepdims=True), vd).reshape(3, 8, 32)
+  assert rel(reference.decode_attention(q, k, v, mask), want) < 1e-2  # bf16 roundings
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_reference_matches_the_engines_flash_decoding(fmt):
+  """The rollout engine's XLA attention (chunked online softmax) at one query position."""
+  q, k, v, mask = inputs(1, 2, 128, 2, 2, 32, fmt, lengths=[128, 50])
+  kd, vd = (reference.as_bf16(c) for c in (k, v))
+  q_slot = jnp.full((2, 1), 127)
+  engine = L.flash_decode_attention(q[:, None], kd, vd, q_slot, mask, chunk=32)[:, 0]
+  assert rel(reference.decode_attention(q, k, v, mask), engine) < 5e-3
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("b,s,kv,g,dh,block_s,splits", [
+    (2, 128, 2, 4, 64, 32, 2),    # G < 16: padded query rows
+    (1, 256, 1, 16, 64, 64, 4),   # G = 16, one kv head
+    (3, 64, 2, 2, 128, 32, None),  # the default split count
+])
+def test_kernel_in_interpret_mode(fmt, b, s, kv, g, dh, block_s, splits):
+  q, k, v, mask = inputs(b * s + g, b, s, kv, g, dh, fmt, lengths=[s - 5 * i for i in range(b)])
+  got = decode_attention(q, k, v, mask, implementation="pallas", block_s=block_s, splits=splits,
+                         interpret=True, poison=True)
+  want = decode_attention(q, k, v, mask)
+  assert got.shape == want.shape and got.dtype == jnp.bfloat16
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  # bf16 output and probability rounding, the order of the sums; NVFP4 also moves its global
+  assert rel(got, want) < (8e-3 if fmt is NVFP4 else 4e-3)
+
+
+def test_a_sequence_with_no_valid_slot_attends_to_nothing():
+  q, k, v, mask = inputs(2, 2, 64, 1, 2, 32, MXFP4)
+  mask = mask.at[1].set(False)  # also a whole split of sequence 0 masked
+  mask = mask.at[0, :32].set(False)
+  for impl in ("xla", "pallas"):
+    out = decode_attention(q, k, v, mask, implementation=impl, block_s=32, splits=2,
+                           interpret=True)
+    assert np.all(np.asarray(out[1], np.float32) == 0)
+    assert np.all(np.isfinite(np.asarray(out[0], np.float32)))
+    assert np.any(np.asarray(out[0], np.float32) != 0)
+
+
+def test_non_finite_cache_blocks_come_back_as_nan():
+  q, k, v, mask = inputs(3, 1, 64, 1, 2, 32, None)
+  v = v.at[0, 5, 0, 3].set(jnp.inf)
+  out = decode_attention(q, quantize(k, MXFP4), quantize(v, MXFP4), mask,
+                         implementation="pallas", block_s=32, interpret=True)
+  assert np.isnan(np.asarray(out, np.float32)).any()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k, v, m: (q[:, :, :16], k, v, m), "head_dim"),
+    (lambda q, k, v, m: (q[:, :3], k, v, m), "multiple of the cache"),
+    (lambda q, k, v, m: (q, k, v, m[:, :32]), "mask must be"),
+    (lambda q, k, v, m: (q, k, dequantize(v), m), "both be packed"),
+    (lambda q, k, v, m: (q, k, quantize(dequantize(v), NVFP4), m), "share a format"),
+    (lambda q, k, v, m: (q, quantize(dequantize(k), MXFP4, axis=1), v, m), "along head_dim"),
+])
+def test_bad_inputs_name_what_is_wrong(bad, match):
+  args = bad(*inputs(4, 2, 64, 2, 2, 32, MXFP4))
+  with pytest.raises(ValueError, match=match):
+    decode_attention(*args, implementation="pallas", block_s=32, interpret=True)
+
+
+def test_kernel_tiling_errors():
+  q, k, v, mask = inputs(5, 1, 96, 1, 2, 32, MXFP4)
+  with pytest.raises(ValueError, match="divisible by block_s"):
+    decode_attention(q, k, v, mask, implementation="pallas", block_s=64, interpret=True)
+  with pytest.raises(ValueError, match="must divide"):
+    decode_attention(q, k, v, mask, implementation="pallas", block_s=32, splits=2,
+                     interpret=True)
+  with pytest.raises(ValueError, match="implementation"):
+    decode_attention(q, k, v, mask, implementation="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("b,s,block_s,decode", [(1, 512, 64, "asm"), (16, 2048, 64, "asm"),
+                                                (5, 4096, 128, "asm"), (4, 1024, 64, "bits")])
+def test_compiled_kernel_on_gpu(fmt, b, s, block_s, decode):
+  # qwen3_30b_a3b attention: 32 query heads on 4 kv heads, head_dim 128; fresh inputs each shape
+  q, k, v, mask = inputs(b * s, b, s, 4, 8, 128, fmt,
+                         lengths=[s - 37 * i for i in range(b)])
+  got = decode_attention(q, k, v, mask, implementation="pallas", block_s=block_s,
+                         decode=decode, poison=True)
+  want = decode_attention(q, k, v, mask)
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, want) < (8e-3 if fmt is NVFP4 else 4e-3)
