@@ -1,0 +1,166 @@
+"""Benchmark of decode attention over FP4 and bf16 KV caches, in one run.
+
+    python -m pallas_kernels.decode_attention.bench [--out=DIR] [--batches=16,64]
+        [--contexts=2048,8192,32768]
+
+qwen3_30b_a3b attention (32 query heads on 4 kv heads, head_dim 128), one query per sequence,
+every slot valid. Per (batch, context): XLA's bf16 attention (the reference), the project's
+bf16 kernel, PyTorch's `scaled_dot_product_attention` (enable_gqa, its [B, Kv, S, Dh] layout,
+no mask) when torch sees a GPU, XLA on the dequantized MXFP4 cache, and the Pallas kernel on
+MXFP4 and NVFP4 caches over a few tile configurations. Each variant is checked against its
+reference first (rel err). Times are the kernels' device time (`fp4_matmul.bench.time_calls`)
+over cache copies larger than the L2 cache; bytes count the caches (codes, scales, globals),
+the queries and the outputs. Writes decode_attention_bench.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.decode_attention import api, reference
+from pallas_kernels.fp4_matmul.bench import KERNELS, copy_bandwidth, time_calls
+from trace_jax.quant import MXFP4, NVFP4, quantize
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
+BATCHES = (16, 64)
+CONTEXTS = (2048, 8192, 32768)
+CONFIGS = [dict(block_s=bs, num_warps=w, num_stages=st)
+           for bs, w, st in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3)]]
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def torch_sdpa_seconds(b: int, s: int, copies: int) -> float | None:
+  """PyTorch's SDPA on bf16 [B, Kv, S, Dh] caches, CUDA-event timed over a loop of copies."""
+  try:
+    import torch
+    import torch.nn.functional as F
+  except ImportError:
+    return None
+  if not torch.cuda.is_available():
+    return None
+  q = torch.randn(b, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+  caches = [(torch.randn(b, KV_HEADS, s, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+             torch.randn(b, KV_HEADS, s, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
+            for _ in range(copies)]
+  run = lambda: [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for k, v in caches]
+  run()
+  torch.cuda.synchronize()
+  samples = []
+  for _ in range(5):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    samples.append(start.elapsed_time(end) / 1e3 / copies)
+  return statistics.median(samples)
+
+
+def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:
+  result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "copy_bytes_per_s": copy_bandwidth(), "rows": [], "errors": []}
+  configs = configs or CONFIGS
+  key = jax.random.PRNGKey(0)
+  for b in batches:
+    for s in contexts:
+      bf16_bytes = 2 * b * s * KV_HEADS * HEAD_DIM * 2
+      copies = min(64, max(2, int(np.ceil(300e6 / (bf16_bytes / 3.5)))))  # FP4 > L2 x 6
+      kq, kc = jax.random.split(jax.random.fold_in(key, b * s))
+      q = jax.random.normal(kq, (b, HEADS, HEAD_DIM), jnp.bfloat16)
+      mask = jnp.ones((b, s), bool)
+      io_bytes = 2 * b * HEADS * HEAD_DIM * 2
+
+      def cache(i):
+        k1, k2 = jax.random.split(jax.random.fold_in(kc, i))
+        shape = (b, s, KV_HEADS, HEAD_DIM)
+        return (jax.random.normal(k1, shape, jnp.bfloat16),
+                jax.random.normal(k2, shape, jnp.bfloat16))
+
+      bf16 = [cache(i) for i in range(copies)]
+      packed = {f.name: [(quantize(k, f), quantize(v, f)) for k, v in bf16] for f in (MXFP4,
+                                                                                    NVFP4)}
+
+      def record(variant, times, kv_bytes, rel, extra=None):
+        wall, device = times
+        seconds = device or wall
+        moved = kv_bytes + io_bytes
+        result["rows"].append({"batch": b, "context": s, "variant": variant,
+                               "us": seconds * 1e6, "wall_us": wall * 1e6,
+                               "GB/s": moved / seconds / 1e9,
+                               "copy_frac": moved / seconds / result["copy_bytes_per_s"],
+                               "rel_err": rel, "kernels_us": dict(KERNELS) if device else {},
+                               **(extra or {})})
+        print(json.dumps(result["rows"][-1]), flush=True)  # partial results survive a timeout
+
+      def attempt(fn, what):  # a variant that fails to lower or run is reported, not fatal
+        try:
+          fn()
+        except Exception as e:  # noqa: BLE001
+          result["errors"].append(f"B={b} S={s} {what}: {type(e).__name__}: {str(e)[:300]}")
+          print("ERROR", result["errors"][-1], flush=True)
+
+      xla = lambda x, kv: reference.decode_attention(x[0], kv[0], kv[1], x[1])
+      ref16 = jax.jit(xla)((q, mask), bf16[0])
+      record("xla bf16", time_calls(xla, (q, mask), bf16), bf16_bytes, 0.0)
+      for cfg in configs:
+        p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
+                                                        implementation="pallas", **cfg)
+        attempt(lambda p=p, cfg=cfg: record(
+            "pallas bf16", time_calls(p, (q, mask), bf16), bf16_bytes,
+            _rel(jax.jit(p)((q, mask), bf16[0]), ref16), cfg), f"pallas bf16 {cfg}")
+      t = torch_sdpa_seconds(b, s, len(bf16))
+      if t is not None:
+        record("torch sdpa bf16", (t, None), bf16_bytes, float("nan"))
+      for fmt, caches in packed.items():
+        kv_bytes = caches[0][0].nbytes + caches[0][1].nbytes
+        ref = jax.jit(xla)((q, mask), caches[0])
+        if fmt == "mxfp4":
+          record(f"xla {fmt} dequant", time_calls(xla, (q, mask), caches), kv_bytes, 0.0)
+        for cfg in configs:
+          p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
+                                                          implementation="pallas", **cfg)
+          attempt(lambda p=p, cfg=cfg, caches=caches, kv_bytes=kv_bytes, ref=ref, fmt=fmt: record(
+              f"pallas {fmt}", time_calls(p, (q, mask), caches), kv_bytes,
+              _rel(jax.jit(p)((q, mask), caches[0]), ref), cfg), f"pallas {fmt} {cfg}")
+  return result
+
+
+def table(result: dict) -> str:
+  lines = [f"device {result['device']}, jax {result['jax']}, copy "
+           f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s",
+           f"{'B':>3s} {'S':>6s} {'variant':36s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} "
+           f"{'rel err':>8s}"]
+  for r in result["rows"]:
+    cfg = (f" s{r['block_s']}w{r['num_warps']}st{r['num_stages']}" if "block_s" in r else "")
+    lines.append(f"{r['batch']:3d} {r['context']:6d} {r['variant'] + cfg:36s} {r['us']:9.1f} "
+                 f"{r['GB/s']:7.0f} {100 * r['copy_frac']:6.1f} {r['rel_err']:8.1e}")
+  return "\n".join(lines + [f"ERROR {e}" for e in result["errors"][:10]])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+  parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+  args = parser.parse_args()
+  ints = lambda s: [int(v) for v in s.split(",") if v]
+  result = run(ints(args.batches), ints(args.contexts))
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "decode_attention_bench.json"), "w") as fh:
+    json.dump(result, fh, indent=1)
+  print(table(result))
+
+
+if __name__ == "__main__":
+  main()
