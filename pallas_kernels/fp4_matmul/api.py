@@ -1,7 +1,8 @@
-"""Dispatch: `fp4_matmul(x, w, implementation="xla" | "pallas")` and its bf16 twin.
+"""Dispatch: `fp4_matmul(x, w, implementation="xla" | "pallas")`, its grouped form, bf16 twins.
 
 "xla" is the pure-jnp reference and runs anywhere; "pallas" runs the kernel (GPU, or any
-backend with interpret=True). Both accept any leading dims on x and return bf16.
+backend with interpret=True). All return bf16; the plain forms accept any leading dims on x,
+the grouped ones x [T, K] with its rows sorted by expert.
 """
 
 from __future__ import annotations
@@ -120,6 +121,37 @@ def _kmajor(x, w, k, n, *, block_m, block_n, splits, rows, num_warps, num_stages
   return _finish(jnp.swapaxes(partials, 1, 2), m, w, lead, n)
 
 
+def _check_grouped(name, x, w_shape, group_sizes):
+  e, k, _ = w_shape
+  if x.ndim != 2 or x.shape[-1] != k or group_sizes.shape != (e,):
+    raise ValueError(f"{name} takes x [T, {k}] and group_sizes [{e}] for weights {w_shape}, "
+                     f"got x {x.shape} and group_sizes {group_sizes.shape}")
+
+
+def _group_tiles(x, group_sizes, block_m):
+  """Rows sorted by expert -> (x2, tile_expert, dest): x in bf16 with each group padded to whole
+  block_m-row tiles (at most ceil(T / block_m) + E tiles, a static bound; unused tiles hold
+  zeros), each tile's expert followed by the number of tiles in use, and each row's place in x2, out of range past sum(group_sizes),
+  so that reading the output back with mode="fill" gives those rows zeros."""
+  t, k = x.shape
+  e = group_sizes.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  tiles = -(-sizes // block_m)
+  tile_end = jnp.cumsum(tiles)
+  n_tiles = -(-t // block_m) + e  # static bound on sum(tiles)
+  row_end = jnp.cumsum(sizes)
+  rows_i = jnp.arange(t, dtype=jnp.int32)
+  expert_of_row = jnp.minimum(jnp.searchsorted(row_end, rows_i, side="right"), e - 1)
+  dest = (tile_end - tiles)[expert_of_row] * block_m + rows_i - (row_end - sizes)[expert_of_row]
+  dest = jnp.where(rows_i < row_end[-1], dest, n_tiles * block_m)
+  x2 = jnp.zeros((n_tiles * block_m, k), jnp.bfloat16).at[dest].set(
+      x.astype(jnp.bfloat16), mode="drop")
+  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"),
+                            e - 1).astype(jnp.int32)
+  # the table's last entry: the tiles in use; the kernels skip the rest (zeros)
+  return x2, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest
+
+
 def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, *,
                        implementation: str = "xla", block_m: int = 16, block_n: int = 64,
                        splits: int | None = None, rows: int = 32, num_warps: int = 4,
@@ -129,43 +161,31 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, *,
   as `jax.lax.ragged_dot` takes them) @ W[e] [K, N] for per-expert FP4 weights w [E, K, N]
   -> [T, N] bf16; rows past sum(group_sizes) come out zero.
 
-  The pallas implementation pads each group to whole block_m-row tiles (at most
-  ceil(T / block_m) + E tiles, a static bound; unused tiles multiply zeros) and runs the dot
-  kernel with each tile's expert read from a small table."""
+  The pallas implementation pads each group to whole block_m-row tiles (`_group_tiles`; unused
+  tiles multiply zeros) and runs the dot kernel with each tile's expert read from a small
+  table."""
   _check_impl(implementation)
   reference.check_weight(w, grouped=True)
-  e, k, n = w.shape
-  if x.ndim != 2 or x.shape[-1] != k or group_sizes.shape != (e,):
-    raise ValueError(f"grouped_fp4_matmul takes x [T, {k}] and group_sizes [{e}] for weights "
-                     f"{w.shape}, got x {x.shape} and group_sizes {group_sizes.shape}")
+  _check_grouped("grouped_fp4_matmul", x, w.shape, group_sizes)
   if implementation == "xla":
     return reference.grouped_fp4_matmul(x, w, group_sizes)
+  _, k, n = w.shape
   if n % block_n or k % (2 * rows) or rows % 16:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}), rows "
                      f"({rows}) a multiple of 16 and K ({k}) divisible by 2 x rows")
-  t = x.shape[0]
-  sizes = group_sizes.astype(jnp.int32)
-  tiles = -(-sizes // block_m)
-  tile_end = jnp.cumsum(tiles)
-  n_tiles = -(-t // block_m) + e  # static bound on sum(tiles)
-  row_end = jnp.cumsum(sizes)
-  rows_i = jnp.arange(t, dtype=jnp.int32)
-  expert_of_row = jnp.minimum(jnp.searchsorted(row_end, rows_i, side="right"), e - 1)
-  valid = rows_i < row_end[-1]
-  dest = (tile_end - tiles)[expert_of_row] * block_m + rows_i - (row_end - sizes)[expert_of_row]
-  dest = jnp.where(valid, dest, n_tiles * block_m)  # out of range: dropped
-  x2 = jnp.zeros((n_tiles * block_m, k), jnp.bfloat16).at[dest].set(
-      x.astype(jnp.bfloat16), mode="drop")
-  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"),
-                            e - 1).astype(jnp.int32)
-  splits = splits or default_splits(n_tiles, n // block_n, (k // 2) // rows)
+  x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m)
+  m = x2.shape[0]
+  splits = splits or default_splits(m // block_m, n // block_n, (k // 2) // rows)
   partials = kernel.grouped_fp4_partials(
       x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, tile_expert,
       fmt="mxfp4" if w.fmt.name == "mxfp4" else "nvfp4", block_m=block_m, block_n=block_n,
       splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
       decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
-  y = _finish(partials, n_tiles * block_m, w, (n_tiles * block_m,), n)
-  return jnp.where(valid[:, None], y[jnp.minimum(dest, n_tiles * block_m - 1)], 0)
+  y = jnp.sum(partials, axis=0)  # NaN here means an unwritten (poisoned) element
+  if w.global_scale is not None:  # NVFP4: per expert, or one for the stack
+    g = jnp.broadcast_to(w.global_scale.reshape(-1), w.shape[:1])[tile_expert[:-1]]
+    y = y * jnp.repeat(g, block_m)[:, None]
+  return y.astype(jnp.bfloat16).at[dest].get(mode="fill", fill_value=0)
 
 
 def _finish(partials, m, w, lead, n):
@@ -195,3 +215,33 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "xla", bloc
       splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
       poison=poison)
   return jnp.sum(partials, axis=0)[:m].astype(jnp.bfloat16).reshape(*lead, n)
+
+
+def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                        implementation: str = "xla", block_m: int = 16, block_n: int = 128,
+                        block_k: int = 64, splits: int | None = None, num_warps: int = 4,
+                        num_stages: int = 3, interpret: bool = False,
+                        poison: bool = False) -> jax.Array:
+  """The bf16 twin of `grouped_fp4_matmul`: x [T, K], rows sorted by expert, @ W[e] [K, N] for
+  per-expert bf16 weights w [E, K, N] -> [T, N] bf16, float32 accumulation; rows past
+  sum(group_sizes) come out zero. "xla" is `jax.lax.ragged_dot`; "pallas" pads the groups to
+  block_m-row tiles as the FP4 form does and runs the bf16 kernel."""
+  _check_impl(implementation)
+  if getattr(w, "ndim", None) != 3:
+    raise ValueError(f"grouped_bf16_matmul expects per-expert weights [E, K, N], got "
+                     f"{type(w).__name__} {getattr(w, 'shape', None)}")
+  _check_grouped("grouped_bf16_matmul", x, w.shape, group_sizes)
+  if implementation == "xla":
+    return reference.grouped_bf16_matmul(x, w, group_sizes)
+  _, k, n = w.shape
+  if n % block_n or k % block_k:
+    raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
+                     f"({k}) divisible by block_k ({block_k})")
+  x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m)
+  splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, k // block_k)
+  partials = kernel.grouped_bf16_partials(
+      x2, w.astype(jnp.bfloat16), tile_expert, block_m=block_m, block_n=block_n,
+      block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
+      interpret=interpret, poison=poison)
+  y = jnp.sum(partials, axis=0).astype(jnp.bfloat16)
+  return y.at[dest].get(mode="fill", fill_value=0)

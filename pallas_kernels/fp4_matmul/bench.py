@@ -1,13 +1,15 @@
 """Benchmark of the FP4 matmul against bf16 paths, on decode shapes, in one run.
 
-    python -m pallas_kernels.fp4_matmul.bench [--out=DIR] [--quick]
+    python -m pallas_kernels.fp4_matmul.bench [--out=DIR] [--quick] [--grouped]
 
 For each shape and batch M: XLA's bf16 dot, the project's bf16 kernel, the FP4 kernel (MXFP4 and
 NVFP4, a few tile configurations), XLA's dequantize-then-dot, and PyTorch's bf16 `x @ W` when
-torch sees a GPU. Each variant is checked against its reference on fresh random inputs first.
+torch sees a GPU. With --grouped, the same for the MoE expert matmul (`run_grouped`).
+Each variant is checked against its reference on fresh random inputs first.
 Times are medians over repeated runs that rotate among weight copies larger than the L2 cache;
 bandwidth counts the bytes that must move: weights (codes + scales), activations, outputs.
-Writes bench.json and prints a table; the device-to-device copy bandwidth is measured too.
+Writes fp4_matmul_bench.json (--grouped: fp4_matmul_grouped.json) and prints a table; the
+device-to-device copy bandwidth is measured too.
 """
 
 from __future__ import annotations
@@ -131,6 +133,23 @@ def copy_bandwidth(gib: float = 2.0, reps: int = 7) -> float:
   return 2 * x.nbytes / statistics.median(samples)
 
 
+def _cuda_event_seconds(torch, call, ws, reps: int = 5) -> float:
+  """Median seconds per call(w), by CUDA events around a pass over the weight copies."""
+  for w in ws:
+    call(w)
+  torch.cuda.synchronize()
+  samples = []
+  for _ in range(reps):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for w in ws:
+      call(w)
+    end.record()
+    torch.cuda.synchronize()
+    samples.append(start.elapsed_time(end) / 1e3 / len(ws))
+  return statistics.median(samples)
+
+
 def _rel(a, b) -> float:
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -145,19 +164,27 @@ def torch_time(m: int, k: int, n: int, copies: int) -> float | None:
     return None
   x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
   ws = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-  for w in ws:
-    x @ w
-  torch.cuda.synchronize()
-  samples = []
-  for _ in range(5):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for w in ws:
-      x @ w
-    end.record()
-    torch.cuda.synchronize()
-    samples.append(start.elapsed_time(end) / 1e3 / len(ws))
-  return statistics.median(samples)
+  return _cuda_event_seconds(torch, lambda w: x @ w, ws)
+
+
+def _attempt(result: dict, what: str, fn) -> None:
+  """Runs fn; a variant that fails to lower or run is reported in result["errors"], not fatal."""
+  try:
+    fn()
+  except Exception as e:  # noqa: BLE001
+    result.setdefault("errors", []).append(f"{what}: {type(e).__name__}: {str(e)[:300]}")
+
+
+def _record(result: dict, shape: str, m: int, variant: str, times, bytes_moved: float,
+            rel: float, extra: dict | None = None) -> None:
+  wall, device = times
+  seconds = device or wall  # the kernels' own time where the trace has it
+  extra = {("kernel" if key == "variant" else key): v for key, v in (extra or {}).items()}
+  result["rows"].append({"shape": shape, "M": m, "variant": variant, "us": seconds * 1e6,
+                         "wall_us": wall * 1e6, "GB/s": bytes_moved / seconds / 1e9,
+                         "copy_frac": bytes_moved / seconds / result["copy_bytes_per_s"],
+                         "rel_err": rel, "kernels_us": dict(KERNELS) if device else {}, **extra})
+  print(json.dumps(result["rows"][-1]), flush=True)  # partial results survive a timeout
 
 
 def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int] | None = None,
@@ -181,25 +208,11 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
       x = jax.random.normal(jax.random.fold_in(kx, m), (m, k), jnp.bfloat16)
       io_bytes = (m * k + m * n) * 2
 
-      def attempt(fn, what):  # a variant that fails to lower or run is reported, not fatal
-        try:
-          fn()
-        except Exception as e:  # noqa: BLE001
-          result.setdefault("errors", []).append(f"{name} M={m} {what}: {type(e).__name__}: "
-                                                 f"{str(e)[:300]}")
+      def attempt(fn, what):
+        _attempt(result, f"{name} M={m} {what}", fn)
 
       def record(variant, times, weight_bytes, rel, extra=None):
-        wall, device = times
-        seconds = device or wall  # the kernels' own time where the trace has it
-        bytes_moved = weight_bytes + io_bytes
-        extra = {("kernel" if key == "variant" else key): v for key, v in (extra or {}).items()}
-        result["rows"].append({"shape": name, "M": m, "variant": variant, "us": seconds * 1e6,
-                               "wall_us": wall * 1e6,
-                               "GB/s": bytes_moved / seconds / 1e9,
-                               "copy_frac": bytes_moved / seconds / result["copy_bytes_per_s"],
-                               "rel_err": rel, "kernels_us": dict(KERNELS) if device else {},
-                               **(extra or {})})
-        print(json.dumps(result["rows"][-1]), flush=True)  # partial results survive a timeout
+        _record(result, name, m, variant, times, weight_bytes + io_bytes, rel, extra)
 
       ref16 = reference.bf16_matmul(x, w16[0])
       record("xla bf16", time_calls(reference.bf16_matmul, x, w16), k * n * 2, 0.0)
@@ -227,6 +240,97 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
           attempt(lambda p=p, args=args, label=label: record(
               f"pallas {fmt}", time_calls(p, x, args), wbytes, _rel(jax.jit(p)(x, args[0]), ref),
               label), f"pallas {fmt} {cfg}")
+  return result
+
+
+# qwen3_30b_a3b's MoE experts at decode: 128 experts, top-8 routing, d_model 2048, d_ff 768
+EXPERTS, TOP_K = 128, 8
+GROUPED_SHAPES = {"gate/up 2048x768": (2048, 768), "down 768x2048": (768, 2048)}
+
+
+def routing(key, m: int, experts: int, top_k: int) -> jax.Array:
+  """group_sizes [E] int32 for M tokens, each routed to top_k distinct experts drawn uniformly
+  (T = top_k x M rows, sorted by expert)."""
+  choice = jnp.argsort(jax.random.uniform(key, (m, experts)), axis=1)[:, :top_k]
+  return jnp.bincount(choice.ravel(), length=experts).astype(jnp.int32)
+
+
+def torch_grouped(x, w, group_sizes, copies: int, ref) -> tuple[float, float] | str:
+  """(seconds per call by CUDA events, rel. error against `ref`) of torch._grouped_mm(a [T, K],
+  b [E, K, N], offs = each group's int32 end row) over `copies` random weights, checked on x and
+  w themselves; or why it was skipped (no torch, no GPU, no _grouped_mm)."""
+  try:
+    import torch
+  except ImportError:
+    return "torch bf16 grouped_mm skipped: torch is not installed"
+  if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+    return (f"torch bf16 grouped_mm skipped: torch {torch.__version__} has "
+            f"{'no torch._grouped_mm' if torch.cuda.is_available() else 'no GPU'}")
+  to_torch = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to("cuda", torch.bfloat16)
+  xt = to_torch(x)
+  offs = torch.from_numpy(np.cumsum(np.asarray(group_sizes))).to("cuda", torch.int32)
+  got = torch._grouped_mm(xt, to_torch(w), offs=offs).float().cpu().numpy()
+  rel = _rel(got, ref) if ref is not None else float("nan")
+  ws = [torch.randn(*w.shape, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+  return _cuda_event_seconds(torch, lambda b: torch._grouped_mm(xt, b, offs=offs), ws), rel
+
+
+def run_grouped(quick: bool = False, shapes: list[str] | None = None,
+                batches: list[int] | None = None, formats: list[str] | None = None) -> dict:
+  """The MoE expert matmul of qwen3_30b_a3b at decode, per projection and batch M (T = TOP_K x M
+  routed rows): XLA's ragged_dot and the project's kernel in bf16, torch's _grouped_mm, and
+  MXFP4 / NVFP4 by XLA (dequantize + ragged_dot) and by the kernel, each with its default
+  tiles. Bytes moved count the weights of the experts hit (distinct among the routed rows),
+  activations and outputs; each xla row is the reference of the rows after it."""
+  key = jax.random.PRNGKey(0)
+  result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "copy_bytes_per_s": copy_bandwidth(0.5 if quick else 2.0), "rows": []}
+  shapes = {k: v for k, v in GROUPED_SHAPES.items() if not shapes or k.split()[0] in shapes}
+  fmts = [f for f in (MXFP4, NVFP4_TENSOR) if not formats or f.name in formats]
+  for name, (k, n) in shapes.items():
+    copies = max(4, int(np.ceil(200e6 / (TOP_K * k * n * 2))))  # M = 1 hits TOP_K experts
+    kw, kx = jax.random.split(jax.random.fold_in(key, k * n))
+    w16, packed = [], {f.name: [] for f in fmts}
+    for i in range(copies):
+      w32 = jax.random.normal(jax.random.fold_in(kw, i), (EXPERTS, k, n)) * 0.05
+      w16.append(w32.astype(jnp.bfloat16))
+      for f in fmts:
+        packed[f.name].append(quantize(w32, f, axis=-2))
+    del w32
+    for m in batches or (BATCHES[:2] if quick else BATCHES):
+      t = TOP_K * m
+      xs = (jax.random.normal(jax.random.fold_in(kx, m), (t, k), jnp.bfloat16),
+            routing(jax.random.fold_in(key, m), m, EXPERTS, TOP_K))  # the same for every shape
+      hit = int(jnp.sum(xs[1] > 0))
+      extra = {"T": t, "experts_hit": hit}
+      refs = {}
+
+      def row(variant, fn, ws, expert_bytes, ref):
+        out = jax.jit(fn)(xs, ws[0])
+        if variant.startswith("xla"):  # the reference of its format (rel_err 0)
+          refs[ref] = out
+        _record(result, name, m, variant, time_calls(fn, xs, ws),
+                hit * expert_bytes + t * (k + n) * 2,
+                _rel(out, refs[ref]) if ref in refs else float("nan"), extra)
+
+      xla16 = lambda a, w: reference.grouped_bf16_matmul(a[0], w, a[1])
+      pallas16 = lambda a, w: api.grouped_bf16_matmul(a[0], w, a[1], implementation="pallas")
+      for variant, fn in (("xla bf16 ragged_dot", xla16), ("pallas bf16", pallas16)):
+        _attempt(result, f"{name} M={m} {variant}",
+                 lambda: row(variant, fn, w16, k * n * 2, "bf16"))
+      timed = torch_grouped(xs[0], w16[0], xs[1], copies, refs.get("bf16"))
+      if isinstance(timed, str):
+        if timed not in result.setdefault("notes", []):
+          result["notes"].append(timed)
+      else:
+        _record(result, name, m, "torch bf16 grouped_mm", (timed[0], None),
+                hit * k * n * 2 + t * (k + n) * 2, timed[1], extra)
+      for fmt, ws in packed.items():
+        xla = lambda a, w: reference.grouped_fp4_matmul(a[0], w, a[1])
+        pallas = lambda a, w: api.grouped_fp4_matmul(a[0], w, a[1], implementation="pallas")
+        for variant, fn in ((f"xla {fmt} dequant+ragged_dot", xla), (f"pallas {fmt}", pallas)):
+          _attempt(result, f"{name} M={m} {variant}",
+                   lambda: row(variant, fn, ws, ws[0].nbytes / EXPERTS, fmt))
   return result
 
 
@@ -339,17 +443,20 @@ def table(result: dict) -> str:
            f"{'k' + str(r['splits']) if r.get('splits') else ''} {r.get('decode', '')} "
            f"{r.get('kernel', '')}"
            if "block_n" in r else "")
+    routed = f" T={r['T']} hit={r['experts_hit']}" if "experts_hit" in r else ""
     lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:40s} {r['us']:9.1f} "
                  f"{r['wall_us']:8.1f} {r['GB/s']:8.0f} {100 * r['copy_frac']:6.1f} "
-                 f"{r['rel_err']:8.1e}")
-  return "\n".join(lines + [f"ERROR {e}" for e in errors[:10]])
+                 f"{r['rel_err']:8.1e}{routed}")
+  return "\n".join(lines + [f"NOTE {n}" for n in result.get("notes", [])]
+                   + [f"ERROR {e}" for e in errors[:10]])
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--shapes", default="", help="comma-separated shape names (q_proj, dot)")
+  parser.add_argument("--shapes", default="",
+                      help="comma-separated shape names (q_proj, dot; --grouped: gate/up, down)")
   parser.add_argument("--batches", default="", help="comma-separated M values")
   parser.add_argument("--formats", default="", help="comma-separated: mxfp4, nvfp4_tensor")
   parser.add_argument("--sweep", action="store_true", help="a wider sweep of tile configs")
@@ -359,6 +466,8 @@ def main():
                       help="tile configs of the K-major kernel (weight in registers)")
   parser.add_argument("--gemv_sweep", action="store_true",
                       help="tile configs of the few-row (gemv) kernel, and a few of the dot one")
+  parser.add_argument("--grouped", action="store_true",
+                      help="the MoE expert matmul (qwen3_30b_a3b: 128 experts, top-8) instead")
   parser.add_argument("--load_probe", action="store_true",
                       help="only the load-throughput probe (uint8 / uint32 / uint16 tiles)")
   parser.add_argument("--bf16_sweep", action="store_true",
@@ -375,14 +484,19 @@ def main():
     for r in out["rows"]:
       print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()})
     return
-  result = run(args.quick, [s for s in args.shapes.split(",") if s],
-               [int(b) for b in args.batches.split(",") if b],
-               KMAJOR_SWEEP if args.kmajor_sweep else GEMV_SWEEP if args.gemv_sweep
-               else DECODE_SWEEP if args.decode_sweep
-               else SWEEP if args.sweep else None,
-               [f for f in args.formats.split(",") if f])
+  shapes = [s for s in args.shapes.split(",") if s]
+  batches = [int(b) for b in args.batches.split(",") if b]
+  formats = [f for f in args.formats.split(",") if f]
+  if args.grouped:
+    result, path = run_grouped(args.quick, shapes, batches, formats), "fp4_matmul_grouped.json"
+  else:
+    result = run(args.quick, shapes, batches,
+                 KMAJOR_SWEEP if args.kmajor_sweep else GEMV_SWEEP if args.gemv_sweep
+                 else DECODE_SWEEP if args.decode_sweep
+                 else SWEEP if args.sweep else None, formats)
+    path = "fp4_matmul_bench.json"
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "fp4_matmul_bench.json"), "w") as fh:
+  with open(os.path.join(args.out, path), "w") as fh:
     json.dump(result, fh, indent=1)
   print(table(result))
 

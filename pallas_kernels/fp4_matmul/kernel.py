@@ -16,7 +16,8 @@ Variants, all with the same numerics: the decode in jnp integer operations ("bit
 ("asm", about a third of the instructions); the weight N-major as above or K-major (codes
 [N, K/2], the decoded tile first in the product); and a few-row kernel of float32
 multiply-adds instead of matrix instructions (`fp4_gemv_partials`). BENCHMARKS.md has what
-each measured on the H200.
+each measured on the H200. The bf16 twins (`bf16_matmul_partials`, `grouped_bf16_partials`) run
+the same grid on a bf16 weight, the baseline.
 """
 
 from __future__ import annotations
@@ -113,12 +114,20 @@ def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n, k_major=False, expert
   return tile
 
 
-def _decode(codes, scale, decode):
+def decode_nibbles(codes, scale, decode):
   """Packed codes and their scales (broadcastable) -> bf16 values of the low and high nibbles."""
   if decode == "asm":
     return e2m1_pair_asm(codes, jnp.broadcast_to(scale, codes.shape))
   codes = codes.astype(jnp.int32)
   return e2m1_bf16(codes & 15) * scale, e2m1_bf16(codes >> 4) * scale  # exact: <= 6 bits
+
+
+def _skip_unused(table_ref, run, zeros):
+  """run() for a tile in use; zeros for a grouped call's padding tiles past the ones in use (the
+  tile table's last entry), which would otherwise decode and multiply a weight for nothing."""
+  if table_ref is None:
+    return run()
+  return jax.lax.cond(pl.program_id(1) < table_ref[pl.num_programs(1)], run, lambda: zeros)
 
 
 def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
@@ -148,13 +157,14 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
       xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
     scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n,
                         k_major=k_major, expert=expert)
-    w_even, w_odd = _decode(codes, scale, decode)
+    w_even, w_odd = decode_nibbles(codes, scale, decode)
     dot = lambda x, w: jnp.dot(*((w, x) if k_major else (x, w)),
                                preferred_element_type=jnp.float32)
     return acc + dot(xe, w_even) + dot(xo, w_odd)
 
   acc = jnp.zeros((block_n, block_m) if k_major else (block_m, block_n), jnp.float32)
-  out_ref[...] = jax.lax.fori_loop(0, rows_per_split // rows, step, acc)
+  out_ref[...] = _skip_unused(refs[0] if grouped else None,
+                              lambda: jax.lax.fori_loop(0, rows_per_split // rows, step, acc), acc)
 
 
 def _gemv_kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, m: int, block_n: int,
@@ -170,7 +180,7 @@ def _gemv_kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, m: int,
     r0 = pl.multiple_of(base + i * rows, rows)
     codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
     scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
-    w_even, w_odd = _decode(codes, scale, decode)
+    w_even, w_odd = decode_nibbles(codes, scale, decode)
     w_even, w_odd = w_even.astype(jnp.float32), w_odd.astype(jnp.float32)
     new = []
     for j, acc in enumerate(accs):
@@ -186,22 +196,24 @@ def _gemv_kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, m: int,
 
 
 def _bf16_kernel(x_ref, w_ref, *refs, block_m: int, block_n: int, block_k: int,
-                 k_per_split: int):
+                 k_per_split: int, grouped: bool = False):
+  """One [block_m, block_n] output tile over one K split of a bf16 weight. With `grouped` the
+  weight is per expert ([E, K, N]) and refs[0] holds each M tile's expert, as in `_kernel`."""
   out_ref = refs[-1]
-  n0 = pl.program_id(0) * block_n
+  n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
   m0 = pl.program_id(1) * block_m
   base = pl.program_id(2) * k_per_split
-
-  n0 = pl.multiple_of(n0, block_n)
+  expert = (refs[0][pl.program_id(1)],) if grouped else ()
 
   def step(i, acc):
     k0 = pl.multiple_of(base + i * block_k, block_k)
     x = x_ref[pl.ds(m0, block_m), pl.ds(k0, block_k)]
-    w = w_ref[pl.ds(k0, block_k), pl.ds(n0, block_n)]
+    w = w_ref[(*expert, pl.ds(k0, block_k), pl.ds(n0, block_n))]
     return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
   acc = jnp.zeros((block_m, block_n), jnp.float32)
-  out_ref[...] = jax.lax.fori_loop(0, k_per_split // block_k, step, acc)
+  out_ref[...] = _skip_unused(refs[0] if grouped else None,
+                              lambda: jax.lax.fori_loop(0, k_per_split // block_k, step, acc), acc)
 
 
 def _compiler_params(num_warps: int, num_stages: int):
@@ -231,7 +243,7 @@ _MN = lambda i, j, s: (s, j, i)  # output tile (M tile j, N tile i) of split s
 _NM = lambda i, j, s: (s, i, j)  # the same tile of the transposed output
 
 
-def _check_decode(decode: str, interpret: bool) -> None:
+def check_decode(decode: str, interpret: bool) -> None:
   if decode not in DECODES or (decode == "asm" and interpret):
     raise ValueError(f"decode must be one of {DECODES} ('asm' is not interpretable), got "
                      f"{decode!r} with interpret={interpret}")
@@ -248,7 +260,7 @@ def fp4_matmul_partials(xe, xo, codes, scales, *, fmt: str, block_m: int = 16,
                         poison: bool = False, decode: str = "bits"):
   """-> float32 [splits, M, N] partial products (M a multiple of block_m). `decode`: "bits"
   (jnp integer operations, any backend) or "asm" (the PTX pair decode, compiled GPU only)."""
-  _check_decode(decode, interpret)
+  check_decode(decode, interpret)
   m, k2 = xe.shape
   n = codes.shape[1]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
@@ -265,7 +277,7 @@ def fp4_kmajor_partials(xe_t, xo_t, codes_t, scales_t, *, fmt: str, block_m: int
                         decode: str = "bits"):
   """K-major weight (codes_t [N, K/2], scales_t [N, K/B]), x transposed (xe_t, xo_t: [K/2, M],
   M a multiple of block_m) -> float32 [splits, N, M] partials of y^T."""
-  _check_decode(decode, interpret)
+  check_decode(decode, interpret)
   k2, m = xe_t.shape
   n = codes_t.shape[0]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
@@ -282,8 +294,9 @@ def grouped_fp4_partials(xe, xo, codes, scales, tile_expert, *, fmt: str, block_
                          num_stages: int = 4, interpret: bool = False, poison: bool = False,
                          decode: str = "bits"):
   """Per-expert weights (codes [E, K/2, N], scales [E, K/B, N]); x's rows in block_m-row tiles,
-  tile t multiplied by expert tile_expert[t] -> float32 [splits, M, N] partials."""
-  _check_decode(decode, interpret)
+  tile t multiplied by expert tile_expert[t] (the table's last entry: the tiles in use; the
+  rest come out zero) -> float32 [splits, M, N] partials."""
+  check_decode(decode, interpret)
   m, k2 = xe.shape
   n = codes.shape[-1]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
@@ -300,7 +313,7 @@ def fp4_gemv_partials(xe_t, xo_t, codes, scales, *, fmt: str, block_n: int = 128
                       num_stages: int = 3, interpret: bool = False, poison: bool = False,
                       decode: str = "bits"):
   """The few-row kernel: x transposed (xe_t, xo_t: [K/2, M], M <= 8) -> float32 [splits, M, N]."""
-  _check_decode(decode, interpret)
+  check_decode(decode, interpret)
   k2, m = xe_t.shape
   n = codes.shape[1]
   kernel = functools.partial(_gemv_kernel, fmt=fmt, m=m, block_n=block_n,
@@ -310,8 +323,11 @@ def fp4_gemv_partials(xe_t, xo_t, codes, scales, *, fmt: str, block_n: int = 128
                (m, block_n), _MN, num_warps, num_stages, interpret, poison)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "splits",
-                                             "num_warps", "num_stages", "interpret", "poison"))
+_BF16_STATIC = ("block_m", "block_n", "block_k", "splits", "num_warps", "num_stages",
+                "interpret", "poison")
+
+
+@functools.partial(jax.jit, static_argnames=_BF16_STATIC)
 def bf16_matmul_partials(x, w, *, block_m: int = 16, block_n: int = 128, block_k: int = 64,
                          splits: int = 1, num_warps: int = 4, num_stages: int = 3,
                          interpret: bool = False, poison: bool = False):
@@ -321,5 +337,21 @@ def bf16_matmul_partials(x, w, *, block_m: int = 16, block_n: int = 128, block_k
   kernel = functools.partial(_bf16_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                              k_per_split=k // splits)
   return _call(kernel, (x, w), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+               (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
+               num_stages, interpret, poison)
+
+
+@functools.partial(jax.jit, static_argnames=_BF16_STATIC)
+def grouped_bf16_partials(x, w, tile_expert, *, block_m: int = 16, block_n: int = 128,
+                          block_k: int = 64, splits: int = 1, num_warps: int = 4,
+                          num_stages: int = 3, interpret: bool = False, poison: bool = False):
+  """Per-expert bf16 weights w [E, K, N]; x's rows in block_m-row tiles, tile t multiplied by
+  expert tile_expert[t] (then the tiles in use, as in grouped_fp4_partials) -> float32
+  [splits, M, N] partials."""
+  m, k = x.shape
+  n = w.shape[-1]
+  kernel = functools.partial(_bf16_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
+                             k_per_split=k // splits, grouped=True)
+  return _call(kernel, (x, w, tile_expert), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
                num_stages, interpret, poison)

@@ -47,7 +47,8 @@ def block_scales(w: QArray) -> jax.Array:
 
 
 def dequantize_bf16(w: QArray) -> tuple[jax.Array, jax.Array]:
-  """-> (bf16 [..., K, N] weight without the global, float32 global (1.0 for MXFP4))."""
+  """-> (bf16 [..., K, N] weight without the global, float32 global: a scalar (1.0 for MXFP4),
+  or [E] for per-expert weights [E, K, N], whose NVFP4 global is per expert or one for all)."""
   check_weight(w, grouped=w.codes.ndim == 3)
   if w.axis == -1:
     w = transpose(w)
@@ -55,8 +56,11 @@ def dequantize_bf16(w: QArray) -> tuple[jax.Array, jax.Array]:
   values = jnp.moveaxis(E2M1.decode(codes), -1, -2)  # [..., K, N]
   block = w.fmt.block_size
   scales = jnp.repeat(block_scales(w), block, axis=-2)
-  g = jnp.float32(1.0) if w.global_scale is None else w.global_scale.reshape(())
-  return (values * scales).astype(jnp.bfloat16), g
+  g = jnp.float32(1.0) if w.global_scale is None else w.global_scale
+  if w.codes.ndim == 3:
+    return (values * scales).astype(jnp.bfloat16), jnp.broadcast_to(jnp.reshape(g, (-1,)),
+                                                                     w.codes.shape[:1])
+  return (values * scales).astype(jnp.bfloat16), jnp.reshape(g, ())
 
 
 def fp4_matmul(x: jax.Array, w: QArray) -> jax.Array:
@@ -70,9 +74,20 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array) -> jax.A
   """MoE expert matmul: x [T, K] (rows sorted by expert, group_sizes[e] rows for expert e) @
   W[e] [K, N] -> [T, N] bf16, float32 accumulation; rows past sum(group_sizes) come out 0."""
   w_bf16, g = dequantize_bf16(w)
-  y = jax.lax.ragged_dot(x.astype(jnp.bfloat16), w_bf16, group_sizes.astype(jnp.int32),
+  sizes = group_sizes.astype(jnp.int32)
+  y = jax.lax.ragged_dot(x.astype(jnp.bfloat16), w_bf16, sizes,
                          preferred_element_type=jnp.float32)
-  return (y * g).astype(jnp.bfloat16)
+  expert_of_row = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")
+  g_rows = g[jnp.minimum(expert_of_row, g.shape[0] - 1)]  # rows past the groups are zeros
+  return (y * g_rows[:, None]).astype(jnp.bfloat16)
+
+
+def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """The bf16 twin of `grouped_fp4_matmul`: x [T, K] @ W[e] [K, N] for w [E, K, N] by
+  ragged_dot, float32 accumulation -> [T, N] bf16; rows past sum(group_sizes) come out 0."""
+  return jax.lax.ragged_dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                            group_sizes.astype(jnp.int32),
+                            preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:

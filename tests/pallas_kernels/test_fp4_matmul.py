@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp4_matmul import bf16_matmul, fp4_matmul, grouped_fp4_matmul
+from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
+                                       grouped_fp4_matmul)
 from pallas_kernels.fp4_matmul import reference
 from pallas_kernels.fp4_matmul.kernel import E2M1_ASM
 from tests.pallas_kernels import ptx_emu
@@ -78,21 +79,27 @@ def test_kmajor_kernel_in_interpret_mode(fmt, m, splits, rows):
   assert rel(got, fp4_matmul(x, w)) < 2e-3
 
 
-def grouped_inputs(seed, t, k, n, sizes, fmt):
+def grouped_inputs(seed, t, k, n, sizes, fmt, per_expert=True):
+  """x, expert weights quantized per expert as the weight sync packs them (NVFP4: a global per
+  expert, [E, 1, 1]) or as one stack (one global), and the group sizes."""
   kx, kw = jax.random.split(jax.random.PRNGKey(seed))
   x = jax.random.normal(kx, (t, k), jnp.bfloat16)
   w = jax.random.normal(kw, (len(sizes), k, n)) * jnp.exp(jax.random.normal(kw, (len(sizes), 1, n)))
-  return x, quantize(w, fmt, axis=-2), jnp.asarray(sizes, jnp.int32)
+  w = w * jnp.exp2(jnp.arange(len(sizes)))[:, None, None]  # experts of different ranges
+  q = jax.vmap(lambda m: quantize(m, fmt, axis=0))(w) if per_expert else quantize(w, fmt, axis=-2)
+  return x, q, jnp.asarray(sizes, jnp.int32)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_grouped_reference_is_one_matmul_per_expert(fmt):
-  x, w, sizes = grouped_inputs(0, 30, 256, 128, [5, 0, 17, 3], fmt)
+@pytest.mark.parametrize("per_expert", [True, False])
+def test_grouped_reference_is_one_matmul_per_expert(fmt, per_expert):
+  x, w, sizes = grouped_inputs(0, 30, 256, 128, [5, 0, 17, 3], fmt, per_expert)
   got = np.asarray(grouped_fp4_matmul(x, w, sizes), np.float32)
   start = 0
   for e, size in enumerate([5, 0, 17, 3]):
-    we = type(w)(w.codes[e], w.scales[e], w.global_scale if w.global_scale is None
-                 else w.global_scale.reshape(1, 1), w.fmt, -2)
+    g = w.global_scale
+    we = type(w)(w.codes[e], w.scales[e], g if g is None else g.reshape(-1)[e % g.size]
+                 .reshape(1, 1), w.fmt, -2)
     np.testing.assert_array_equal(got[start:start + size],
                                   np.asarray(fp4_matmul(x[start:start + size], we), np.float32))
     start += size
@@ -100,15 +107,32 @@ def test_grouped_reference_is_one_matmul_per_expert(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("sizes,t", [([5, 0, 17, 3], 27), ([0, 0, 1], 1),
-                                     ([40], 40)])
-def test_grouped_kernel_in_interpret_mode(fmt, sizes, t):
-  x, w, sizes = grouped_inputs(t, t, 256, 128, sizes, fmt)
+@pytest.mark.parametrize("sizes,t,per_expert", [([5, 0, 17, 3], 27, True), ([0, 0, 1], 1, True),
+                                                ([40], 40, False)])
+def test_grouped_kernel_in_interpret_mode(fmt, sizes, t, per_expert):
+  x, w, sizes = grouped_inputs(t, t, 256, 128, sizes, fmt, per_expert)
   got = grouped_fp4_matmul(x, w, sizes, implementation="pallas", splits=2, interpret=True,
                            poison=True)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, grouped_fp4_matmul(x, w, sizes)) < 2e-3
   assert not np.asarray(got, np.float32)[int(sizes.sum()):].any()  # rows past the groups
+
+
+def test_grouped_bf16_kernel_in_interpret_mode():
+  sizes = [5, 0, 17, 3]
+  x = jax.random.normal(jax.random.PRNGKey(3), (27, 256), jnp.bfloat16)  # 2 rows past the groups
+  w = jax.random.normal(jax.random.PRNGKey(4), (4, 256, 128), jnp.bfloat16)
+  want = grouped_bf16_matmul(x, w, jnp.asarray(sizes))
+  start = 0
+  for e, size in enumerate(sizes):  # the reference: one matmul per expert
+    np.testing.assert_array_equal(np.asarray(want[start:start + size], np.float32),
+                                  np.asarray(bf16_matmul(x[start:start + size], w[e]), np.float32))
+    start += size
+  got = grouped_bf16_matmul(x, w, jnp.asarray(sizes), implementation="pallas", splits=2,
+                            interpret=True, poison=True)
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, want) < 2e-3
+  assert not np.asarray(got, np.float32)[sum(sizes):].any()  # rows past the groups
 
 
 def test_grouped_errors():
@@ -117,6 +141,13 @@ def test_grouped_errors():
     grouped_fp4_matmul(x, w, sizes[:1])
   with pytest.raises(ValueError, match="per-expert weights"):
     grouped_fp4_matmul(x, w.codes, sizes)
+  w16 = jnp.ones((2, 256, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"group_sizes \[2\]"):
+    grouped_bf16_matmul(x, w16, sizes[:1])
+  with pytest.raises(ValueError, match="per-expert weights"):
+    grouped_bf16_matmul(x, w16[0], sizes)
+  with pytest.raises(ValueError, match="block_k"):
+    grouped_bf16_matmul(x, w16, sizes, implementation="pallas", block_k=96, interpret=True)
 
 
 def test_decode_asm_bit_for_bit():
@@ -209,3 +240,20 @@ def test_grouped_kernel_on_gpu(fmt, sizes):
                                poison=True)
       assert not np.isnan(np.asarray(got, np.float32)).any()
       assert rel(got, grouped_fp4_matmul(x, w, group_sizes)) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[1, 0, 7, 3, 2, 0, 0, 5], [64] * 4, [3, 200, 1, 60]])
+def test_grouped_bf16_kernel_on_gpu(sizes):
+  for seed in range(2):  # fresh inputs each time
+    t = sum(sizes) + 3  # and rows past the groups
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed * 31 + t))
+    x = jax.random.normal(kx, (t, 2048), jnp.bfloat16)
+    w = jax.random.normal(kw, (len(sizes), 2048, 768), jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    for block_k in (64, 128):
+      got = grouped_bf16_matmul(x, w, group_sizes, implementation="pallas", block_k=block_k,
+                                poison=True)
+      assert not np.isnan(np.asarray(got, np.float32)).any()
+      assert rel(got, grouped_bf16_matmul(x, w, group_sizes)) < 2e-3
+      assert not np.asarray(got, np.float32)[sum(sizes):].any()

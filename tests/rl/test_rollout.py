@@ -154,3 +154,50 @@ def test_bad_prompts():
   with pytest.raises(ValueError, match=r"\[B, P\].*\(2, 3\).*\(3,\)"):
     engine.generate(pack_weights(cfg, params, QuantRecipe()), np.ones((2, 3)), np.ones(3),
                     jax.random.PRNGKey(0))
+
+
+def _kernel_rollouts(precision):
+  cfg, params = policy()
+  recipe = QuantRecipe.uniform(precision)
+  weights = pack_weights(cfg, params, recipe)
+  tokens, lengths = pad_prompts(PROMPTS)
+  out = []
+  for kernels in ("xla", "pallas"):
+    engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=6, temperature=0.0),
+                           records="all", attn_chunk=16, kernels=kernels)
+    out.append(engine.generate(weights, tokens, lengths, jax.random.PRNGKey(7)))
+  return out
+
+
+@pytest.mark.parametrize("precision", ["mxfp4", "bf16"])
+def test_pallas_kernels_compute_what_xla_computes(precision):
+  """kernels="pallas" (interpret mode here; the same kernels compiled on a GPU): MXFP4 weights
+  and caches dequantize exactly to bf16, so only the order of float32 sums differs, and on
+  this policy not one bf16 rounding, FP4 code or token comes out differently."""
+  xla, pallas = _kernel_rollouts(precision)
+  np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
+  np.testing.assert_allclose(np.asarray(pallas.logp), np.asarray(xla.logp), atol=1e-5)
+  for layer, sites in xla.records.items():
+    for site, rec in sites.items():
+      np.testing.assert_array_equal(np.asarray(pallas.records[layer][site].mant),
+                                    np.asarray(rec.mant), err_msg=f"layer {layer} {site}")
+
+
+def test_pallas_kernels_with_nvfp4():
+  """NVFP4's global scale multiplies the kernels' float32 sums, where XLA rounds each
+  global x block-scaled weight to bf16 first: last-bit differences, which the FP4 activation
+  sites downstream can turn into flipped codes. The first site sees the same prompt."""
+  xla, pallas = _kernel_rollouts("nvfp4")
+  p = xla.prompt_width
+  np.testing.assert_allclose(np.asarray(pallas.logp[:, p]), np.asarray(xla.logp[:, p]), atol=0.3)
+  np.testing.assert_array_equal(np.asarray(pallas.records[0]["attn_in"].mant[:, :p]),
+                                np.asarray(xla.records[0]["attn_in"].mant[:, :p]))
+
+
+def test_kernel_switch_errors():
+  cfg, _ = policy()
+  with pytest.raises(ValueError, match="kernels must be one of"):
+    RolloutEngine(cfg, QuantRecipe(), SamplingConfig(), kernels="triton")
+  cfg32, _ = policy("float32")
+  with pytest.raises(ValueError, match="bf16 activations"):
+    RolloutEngine(cfg32, QuantRecipe(), SamplingConfig(), kernels="pallas")

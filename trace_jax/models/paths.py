@@ -6,7 +6,8 @@ exist, the full-sequence masked attention of a trainer.
 
 `RolloutPath`: packed weights (`RolloutWeights`, made by `pack_weights`, the weight sync),
 activations quantized with plain rounding (their records emitted), K/V written to a packed cache
-and attended over with flash-decoding, as an inference engine computes.
+and attended over with flash-decoding, as an inference engine computes; its matmuls and
+one-token attention by XLA or by the Pallas kernels (`kernels="pallas"`, `models.kernels`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import quant
+from trace_jax.models import kernels as K
 from trace_jax.models import layers as L
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.recipe import WEIGHT_AXES, QuantRecipe
@@ -182,12 +184,16 @@ def write_slots(buffer, new, start, axis: int = 1):
 
 
 class RolloutPath:
-  """The inference engine's computation for T new positions written at cache slot `start`."""
+  """The inference engine's computation for T new positions written at cache slot `start`.
+
+  `kernels`: "xla", or "pallas" for the Pallas kernels (matmuls at every T, attention when
+  T = 1, the decode step; `trace_jax.models.kernels` says which formats they take)."""
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, cache: list, start: jax.Array,
                q_slot_BxT: jax.Array, valid_BxS: jax.Array, record_layers: tuple[int, ...],
-               attn_chunk: int, collect_codes: bool = False):
-    self.cfg, self.recipe = cfg, recipe
+               attn_chunk: int, collect_codes: bool = False, kernels: str = "xla"):
+    K.check(kernels, cfg.act_dtype)
+    self.cfg, self.recipe, self.kernels = cfg, recipe, kernels
     self.cache, self.start = cache, start
     self.q_slot, self.valid = q_slot_BxT, valid_BxS
     self.record_layers = frozenset(record_layers)
@@ -199,10 +205,12 @@ class RolloutPath:
     self.routes: list[jax.Array] = []
 
   def linear(self, x, w, layer, name):
-    return L.dense(x, unpack(w))
+    y = K.linear(x, w) if self.kernels == "pallas" else None
+    return L.dense(x, unpack(w)) if y is None else y
 
   def experts(self, x_MxD, w, group_sizes, layer, name):
-    return L.grouped(x_MxD, unpack(w), group_sizes)
+    y = K.experts(x_MxD, w, group_sizes) if self.kernels == "pallas" else None
+    return L.grouped(x_MxD, unpack(w), group_sizes) if y is None else y
 
   def _quantize(self, x, layer, site):
     """-> (what to store: QArray or array, the values the engine computes with)."""
@@ -223,6 +231,12 @@ class RolloutPath:
     stored = tuple(self._quantize(a, layer, site)[0] for a, site in ((k, "k"), (v, "v")))
     cache = write_slots(self.cache[layer], stored, self.start)
     self.new_cache[layer] = cache
+    if self.kernels == "pallas" and q.shape[1] == 1:
+      slots = jnp.arange(self.valid.shape[1])
+      mask = self.valid & (slots[None, :] <= self.q_slot[:, :1])
+      o = K.attention(q[:, 0], *cache, mask)
+      if o is not None:
+        return o[:, None]
     k_all, v_all = (unpack(c).astype(q.dtype) for c in cache)
     return L.flash_decode_attention(q, k_all, v_all, self.q_slot, self.valid, self.attn_chunk)
 

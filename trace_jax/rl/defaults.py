@@ -51,6 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.aux_coef = 1e-3
   c.rl.minibatches = 2
   c.rl.routing_replay = False
+  # the rollout engine's matmuls and decode attention: xla | pallas (the Pallas kernels; GPU,
+  # interpret mode elsewhere; the same numbers up to the order of float32 sums)
+  c.rl.kernels = "xla"
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
   c.eval = ml_collections.ConfigDict(dict(every=50, size=200, batch_size=100))

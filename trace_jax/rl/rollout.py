@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.models.config import ModelConfig
+from trace_jax.models.kernels import check as check_kernels
 from trace_jax.models.paths import RolloutPath, RolloutWeights, new_kv_cache, write_slots
 from trace_jax.models.qwen3_moe import forward
 from trace_jax.models.recipe import QuantRecipe, parse_layers
@@ -108,12 +109,16 @@ class RolloutEngine:
 
   `records`: "none" | "all" | "last:N" | [layer indices]. `collect_codes` also returns every
   quantized site's element codes (large; for the mismatch probe). `attn_chunk`: the sequence
-  split of flash-decoding.
+  split of flash-decoding. `kernels`: "xla", or "pallas" for the Pallas matmul and decode
+  attention kernels (the same numbers up to the order of float32 sums; GPU, or interpret mode
+  elsewhere).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
                records: str | Sequence[int] = "none", collect_codes: bool = False,
-               attn_chunk: int = 64):
+               attn_chunk: int = 64, kernels: str = "xla"):
+    check_kernels(kernels, cfg.act_dtype)
+    self.kernels = kernels
     self.cfg, self.recipe, self.sampling = cfg, recipe, sampling
     self.record_layers = parse_layers(records, cfg.n_layers, what="records")
     self.collect_codes = collect_codes
@@ -178,7 +183,7 @@ class RolloutEngine:
 
   def _path(self, cache, start, q_slot_BxT, valid_BxS):
     return RolloutPath(self.cfg, self.recipe, cache, start, q_slot_BxT, valid_BxS,
-                       self.record_layers, self.attn_chunk, self.collect_codes)
+                       self.record_layers, self.attn_chunk, self.collect_codes, self.kernels)
 
   def _sample(self, key, logits_BxV):
     return sample(key, logits_BxV, self.sampling.temperature, self.sampling.top_p)

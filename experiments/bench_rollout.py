@@ -1,0 +1,214 @@
+"""Rollout decode throughput, FP4 against BF16 in the same engine, on a few-layer qwen3_30b_a3b.
+
+    python experiments/bench_rollout.py [--out=DIR] [--layers=2] [--batches=16,64,256] \
+        [--context=4096] [--steps=16] [--variants=bf16:xla,bf16:pallas,mxfp4:xla,mxfp4:pallas]
+
+A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
+nvfp4; the engine's kernels: xla | pallas) and batch size, the rollout engine decodes `steps`
+tokens per sequence after `context` tokens of context, in one jitted decode loop (records off,
+sampling at temperature 1). The cache holds random codes for the context (the attention reads
+every slot of the cache whatever its content), so no prefill of B x 4K tokens is needed; the
+policy is a random init (what is timed does not depend on the weights' values).
+
+Reported per row: decode tokens/s (B x steps / wall seconds of the loop, one dispatch), the
+bytes one decode step must move (weights of the attention and of the experts the batch can hit
+(E (1 - (1 - k/E)^B) of them under uniform routing), the LM head, the KV cache, activations
+neglected) and that byte count's time at the copy bandwidth measured in the same run, as a
+fraction of the measured step (the roofline fraction). The largest batch each precision fits is
+computed from byte counts for the full 48-layer model in the device's memory. Writes
+bench_rollout.json and prints a table; BENCHMARKS.md quotes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.fp4_matmul.bench import copy_bandwidth  # noqa: E402
+from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
+from trace_jax.models.config import preset as model_preset  # noqa: E402
+from trace_jax.models.config import qwen3_30b_a3b  # noqa: E402
+from trace_jax.models.paths import new_kv_cache  # noqa: E402
+from trace_jax.quant import QArray  # noqa: E402
+from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
+
+VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:pallas")
+
+
+def random_cache(cache: list, key) -> list:
+  """The engine's cache layout filled with random content: bf16 normals, random FP4 codes with
+  unit scales (E8M0 127; E4M3 0x38) and unit globals."""
+  leaves, tree = jax.tree.flatten(cache)
+  filled = []
+  for i, a in enumerate(leaves):
+    k = jax.random.fold_in(key, i)
+    if a.dtype == jnp.bfloat16:
+      filled.append(jax.random.normal(k, a.shape, a.dtype))
+    elif a.dtype == jnp.float32:  # NVFP4 globals
+      filled.append(jnp.ones(a.shape, a.dtype))
+    else:
+      filled.append(jax.random.bits(k, a.shape, jnp.uint8))
+  cache = jax.tree.unflatten(tree, filled)
+  return [tuple(_unit_scales(c) for c in pair) for pair in cache]
+
+
+def _unit_scales(c):
+  if not isinstance(c, QArray):
+    return c
+  one = 127 if c.fmt.name == "mxfp4" else 0x38
+  return QArray(c.codes, jnp.full_like(c.scales, one), c.global_scale, c.fmt, c.axis)
+
+
+def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps: int, key):
+  """The engine's decode state after `context` tokens of context, built without a prefill: its
+  structure from tracing the prefill (no compile), the cache random, every slot valid; fresh
+  arrays throughout (the decode loop takes its state as donated buffers)."""
+  total = context + steps + 1
+  prompts = jnp.zeros((batch, 8), jnp.int32)
+  lengths = jnp.full((batch,), 8, jnp.int32)
+  shapes = jax.eval_shape(lambda *a: engine._prefill(*a, total), weights, prompts, lengths, key)
+  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  slots = state["valid"].shape[1]
+  state.update(t=jnp.asarray(context, jnp.int32), limit=jnp.asarray(total - 1, jnp.int32),
+               key=jax.random.fold_in(key, 1), valid=jnp.ones((batch, slots), bool),
+               cache=random_cache(new_kv_cache(engine.cfg, engine.recipe, batch, slots), key))
+  return state
+
+
+def _nbytes(tree) -> int:
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def step_bytes(cfg, weights, cache, batch: int) -> dict:
+  """Bytes one decode step must read: attention weights, the experts the batch can hit, the
+  LM head (the embedding reads B rows: neglected), the whole KV cache."""
+  attn = expert = 0
+  for layer in weights.layers:
+    attn += _nbytes([layer[n] for n in ("wq", "wk", "wv", "wo")])
+    expert += _nbytes([layer[n] for n in ("w_gate", "w_up", "w_down")])
+  hit = 1 - (1 - cfg.top_k / cfg.n_experts) ** batch
+  head = _nbytes(weights.lm_head if weights.lm_head is not None else weights.embed)
+  out = {"attention_weights": attn, "experts": int(expert * hit), "lm_head": head,
+         "kv_cache": _nbytes(cache)}
+  out["total"] = sum(out.values())
+  return out
+
+
+def max_batch(precision: str, context: int, memory_bytes: float, n_layers: int = 48) -> int:
+  """The largest batch whose KV cache at `context` tokens fits next to the full model's weights
+  (packed as the engine packs them) in `memory_bytes`, from byte counts (shapes only)."""
+  cfg = qwen3_30b_a3b(n_layers=1)
+  recipe = QuantRecipe.uniform(precision)
+  params = jax.eval_shape(init_params, cfg, jax.random.PRNGKey(0))
+  w = jax.eval_shape(lambda p: pack_weights(cfg, p, recipe), params)
+  per_layer = _nbytes(w.layers[0])
+  fixed = _nbytes([w.embed, w.lm_head])
+  weights = fixed + n_layers * per_layer
+  kv = jax.eval_shape(lambda: new_kv_cache(cfg, recipe, 1, context))
+  per_seq = n_layers * _nbytes(kv)
+  return int((memory_bytes - weights) // per_seq)
+
+
+def run(layers: int, batches: list[int], context: int, steps: int, variants: list[str],
+        preset: str = "qwen3_30b_a3b") -> dict:
+  cfg = model_preset(preset, n_layers=layers)
+  copy = copy_bandwidth()
+  device = jax.devices()[0]
+  memory = (device.memory_stats() or {}).get("bytes_limit", 0)
+  result = {"device": str(device.device_kind), "jax": jax.__version__, "preset": preset,
+            "layers": layers,
+            "context": context, "steps": steps, "copy_bytes_per_s": copy,
+            "memory_bytes": memory, "rows": [], "max_batch": {}, "errors": []}
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  packed = {}
+  sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
+  for variant in variants:
+    precision, kernels = variant.split(":")
+    recipe = QuantRecipe.uniform(precision)
+    if precision not in packed:
+      packed = {precision: jax.block_until_ready(pack_weights(cfg, params, recipe))}
+    weights = packed[precision]
+    engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels)
+    for b in batches:
+      key = jax.random.PRNGKey(b)
+      try:
+        t0 = time.perf_counter()
+        jax.block_until_ready(engine._decode_jit(weights, decode_state(engine, weights, b,
+                                                                       context, steps, key)))
+        compile_s = time.perf_counter() - t0
+        samples = []
+        for rep in range(3):
+          state = jax.block_until_ready(decode_state(engine, weights, b, context, steps,
+                                                     jax.random.fold_in(key, rep)))
+          t0 = time.perf_counter()
+          out = jax.block_until_ready(engine._decode_jit(weights, state))
+          samples.append(time.perf_counter() - t0)
+        assert int(out["t"]) == context + steps, int(out["t"])
+      except Exception as e:  # noqa: BLE001  (out of memory at a large batch: reported)
+        result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]}")
+        print("ERROR", result["errors"][-1], flush=True)
+        continue
+      seconds = float(np.median(samples)) / steps
+      nbytes = step_bytes(cfg, weights, out["cache"], b)
+      row = {"variant": variant, "batch": b, "tokens_per_s": b / seconds,
+             "step_ms": seconds * 1e3, "bytes_per_step": nbytes,
+             "roofline_frac": nbytes["total"] / copy / seconds, "first_call_s": compile_s}
+      result["rows"].append(row)
+      print(json.dumps(row), flush=True)
+  if memory and preset == "qwen3_30b_a3b":
+    for precision in sorted({v.split(":")[0] for v in variants}):
+      result["max_batch"][precision] = max_batch(precision, context, memory)
+  return result
+
+
+def table(result: dict) -> str:
+  lines = [f"device {result['device']}, jax {result['jax']}, {result['preset']} with "
+           f"{result['layers']} layers, "
+           f"context {result['context']}, {result['steps']} steps, copy "
+           f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s",
+           f"{'variant':14s} {'B':>4s} {'tokens/s':>10s} {'step ms':>8s} {'MB/step':>8s} "
+           f"{'roofline':>8s}"]
+  for r in result["rows"]:
+    lines.append(f"{r['variant']:14s} {r['batch']:4d} {r['tokens_per_s']:10.0f} "
+                 f"{r['step_ms']:8.2f} {r['bytes_per_step']['total'] / 1e6:8.0f} "
+                 f"{100 * r['roofline_frac']:7.1f}%")
+  for p, b in result["max_batch"].items():
+    lines.append(f"largest batch at context {result['context']}, 48 layers, "
+                 f"{result['memory_bytes'] / 2**30:.0f} GiB: {p} {b}")
+  return "\n".join(lines + [f"ERROR {e}" for e in result["errors"]])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--preset", default="qwen3_30b_a3b",
+                      help="model shapes (trace_jax.models.config.PRESETS); small: a CPU check")
+  parser.add_argument("--layers", type=int, default=2)
+  parser.add_argument("--batches", default="16,64,256")
+  parser.add_argument("--context", type=int, default=4096)
+  parser.add_argument("--steps", type=int, default=16)
+  parser.add_argument("--variants", default=",".join(VARIANTS[:4]))
+  args = parser.parse_args()
+  variants = [v for v in args.variants.split(",") if v]
+  for v in variants:
+    if v not in VARIANTS:
+      parser.error(f"unknown variant {v!r}; choose from {VARIANTS}")
+  result = run(args.layers, [int(b) for b in args.batches.split(",") if b], args.context,
+               args.steps, variants, args.preset)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "bench_rollout.json"), "w") as fh:
+    json.dump(result, fh, indent=1)
+  print(table(result))
+
+
+if __name__ == "__main__":
+  main()

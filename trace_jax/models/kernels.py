@@ -1,0 +1,83 @@
+"""The rollout engine's kernel switch: its projections, expert matmuls and one-token attention
+computed by XLA ("xla") or by the Pallas kernels of `pallas_kernels` ("pallas").
+
+Both compute the same numbers up to the order of float32 sums (and, for NVFP4, where the global
+scale multiplies: the kernels apply it to the float32 result, XLA to each dequantized value
+before rounding it to bf16). The kernels take MXFP4 and NVFP4 weights and caches, and bf16 ones
+(the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the same design);
+other formats (fp8) stay on XLA. On a backend other than GPU the kernels run in Pallas'
+interpret mode: slow, for tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
+                                       grouped_fp4_matmul)
+from trace_jax.quant import QArray
+
+KERNELS = ("xla", "pallas")
+_FP4_WEIGHTS = ("mxfp4", "nvfp4_tensor")
+_FP4_CACHES = ("mxfp4", "nvfp4")
+
+
+def check(kernels: str, act_dtype) -> None:
+  if kernels not in KERNELS:
+    raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+  if kernels == "pallas" and jnp.dtype(act_dtype) != jnp.bfloat16:
+    raise ValueError(f"the pallas kernels take bf16 activations; the model's dtype is "
+                     f"{jnp.dtype(act_dtype).name}")
+
+
+def _interpret() -> bool:
+  return jax.default_backend() != "gpu"
+
+
+def _divisor(n: int, choices: tuple[int, ...], what: str) -> int:
+  for c in choices:
+    if n % c == 0:
+      return c
+  raise ValueError(f"the pallas kernels need {what} ({n}) divisible by one of {choices}")
+
+
+def _fp4_tiles(k: int, n: int) -> dict:
+  return dict(block_n=_divisor(n, (64, 32, 16), "the output features"),
+              rows=_divisor(k // 2, (32, 16), "half the input features"))
+
+
+def _bf16_tiles(k: int, n: int) -> dict:
+  return dict(block_n=_divisor(n, (128, 64, 32, 16), "the output features"),
+              block_k=_divisor(k, (64, 32, 16), "the input features"))
+
+
+def linear(x: jax.Array, w) -> jax.Array | None:
+  """x [..., K] @ w [K, N] by a kernel, or None where no kernel takes w."""
+  if isinstance(w, QArray):
+    if w.fmt.name not in _FP4_WEIGHTS:
+      return None
+    return fp4_matmul(x, w, implementation="pallas", interpret=_interpret(), **_fp4_tiles(*w.shape))
+  return bf16_matmul(x, w, implementation="pallas", interpret=_interpret(), **_bf16_tiles(*w.shape))
+
+
+def experts(x_MxD: jax.Array, w, group_sizes: jax.Array) -> jax.Array | None:
+  """Rows sorted by expert @ their expert's w [E, K, N] by a kernel, or None."""
+  if isinstance(w, QArray):
+    if w.fmt.name not in _FP4_WEIGHTS:
+      return None
+    return grouped_fp4_matmul(x_MxD, w, group_sizes, implementation="pallas",
+                              interpret=_interpret(), **_fp4_tiles(*w.shape[1:]))
+  return grouped_bf16_matmul(x_MxD, w, group_sizes, implementation="pallas",
+                             interpret=_interpret(), **_bf16_tiles(*w.shape[1:]))
+
+
+def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array) -> jax.Array | None:
+  """One query per sequence against the whole cache by the kernel, or None where no kernel
+  takes the cache."""
+  if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
+    return None
+  block_s = _divisor(k.shape[1], (64, 32, 16), "the cache's slots")
+  return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", block_s=block_s,
+                          interpret=_interpret())
