@@ -1,7 +1,7 @@
 """Rollout decode throughput, FP4 against BF16 in the same engine, on a few-layer qwen3_30b_a3b.
 
     python experiments/bench_rollout.py [--out=DIR] [--layers=2] [--batches=16,64,256] \
-        [--context=4080] [--steps=16] [--variants=bf16:xla,bf16:pallas,mxfp4:pallas]
+        [--context=4080] [--steps=16] [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,...]
 
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
 nvfp4; the engine's kernels: xla | pallas) and batch size, the rollout engine decodes `steps`
@@ -108,7 +108,7 @@ def max_batch(precision: str, context: int, memory_bytes: float, n_layers: int =
   (packed as the engine packs them) in `memory_bytes`, from byte counts (shapes only)."""
   cfg = qwen3_30b_a3b(n_layers=1)
   recipe = QuantRecipe.uniform(precision)
-  params = jax.eval_shape(init_params, cfg, jax.random.PRNGKey(0))
+  params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0))
   w = jax.eval_shape(lambda p: pack_weights(cfg, p, recipe), params)
   per_layer = _nbytes(w.layers[0])
   fixed = _nbytes([w.embed, w.lm_head])
@@ -166,7 +166,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       print(json.dumps(row), flush=True)
   if memory and preset == "qwen3_30b_a3b":
     for precision in sorted({v.split(":")[0] for v in variants}):
-      result["max_batch"][precision] = max_batch(precision, context, memory)
+      result["max_batch"][precision] = max_batch(precision, context + steps, memory)
   return result
 
 
@@ -198,7 +198,8 @@ def main():
                       help="context tokens; with --steps 16 the cache is 4096 slots, a power of "
                       "two of 64-slot blocks, which the attention kernel splits evenly")
   parser.add_argument("--steps", type=int, default=16)
-  parser.add_argument("--variants", default="bf16:xla,bf16:pallas,mxfp4:pallas")
+  parser.add_argument("--variants", default="bf16:xla,bf16:pallas,mxfp4:xla,mxfp4:pallas,"
+                      "nvfp4:pallas")
   args = parser.parse_args()
   variants = [v for v in args.variants.split(",") if v]
   for v in variants:

@@ -29,11 +29,16 @@ def quantize_and_record(x: jax.Array, fmt: str, *, implementation: str = "xla",
   lead, d = x.shape[:-1], x.shape[-1]
   t = math.prod(lead)
   tp = -(-t // block_t) * block_t
-  x2 = jnp.pad(x.reshape(t, d), ((0, tp - t), (0, 0)))  # zero rows: quantized, then dropped
+  f = get_format(fmt)
+  # the Triton lowering takes power-of-two tiles only: pad D to a power of two of blocks with
+  # zero blocks (quantized on their own, then dropped; they leave NVFP4's row amax unchanged)
+  nb = d // f.block_size
+  dp = (1 << (nb - 1).bit_length()) * f.block_size
+  x2 = jnp.pad(x.reshape(t, d), ((0, tp - t), (0, dp - d)))  # zero rows: likewise dropped
   outs = kernel.quantize_record_2d(x2, fmt=fmt, block_t=block_t, num_warps=num_warps,
                                    interpret=interpret)
-  codes, mant, scales = (o[:t].reshape(*lead, o.shape[-1]) for o in outs[:3])
+  widths = (d // 2, d // 8, nb)
+  codes, mant, scales = (o[:t, :w].reshape(*lead, w) for o, w in zip(outs[:3], widths))
   g = outs[3][:t].reshape(*lead, 1) if fmt == "nvfp4" else None
-  f = get_format(fmt)
   return (QArray(codes=codes, scales=scales, global_scale=g, fmt=f, axis=-1),
           Record(mant=mant, scales=scales, global_scale=g, fmt=f, axis=-1))
