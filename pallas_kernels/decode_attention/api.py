@@ -1,8 +1,9 @@
 """Dispatch: `decode_attention(q, k, v, mask, implementation="xla" | "pallas")`.
 
 "xla" is the pure-jnp reference and runs anywhere; "pallas" runs the kernel (GPU, or any
-backend with interpret=True). The caches are the rollout engine's: [B, S, Kv, Dh] bf16 arrays,
-or MXFP4 / NVFP4 `QArray`s quantized along head_dim.
+backend with interpret=True), differentiable through the reference's VJP (`autodiff`). The
+caches are the rollout engine's: [B, S, Kv, Dh] bf16 arrays, or MXFP4 / NVFP4 `QArray`s
+quantized along head_dim.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.decode_attention import kernel, reference
 from trace_jax.quant import QArray
 
@@ -33,6 +35,7 @@ def _cache_arrays(c):
   return fmt, (c.codes, c.scales) + ((c.global_scale,) if fmt == "nvfp4" else ())
 
 
+@reference_vjp(reference.decode_attention)
 def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
                      implementation: str = "xla", block_s: int = 64, splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decode: str | None = None,

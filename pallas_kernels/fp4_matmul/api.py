@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.fp4_matmul import kernel, reference
 from trace_jax.quant import QArray
 
@@ -47,6 +48,7 @@ def _pad_rows(x2, block_m):
   return jnp.pad(x2, ((0, mp - m), (0, 0))), m
 
 
+@reference_vjp(reference.fp4_matmul)
 def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m: int = 16,
                block_n: int = 64, splits: int | None = None, rows: int = 32,
                num_warps: int = 4, num_stages: int = 4, decode: str | None = None,
@@ -152,6 +154,7 @@ def _group_tiles(x, group_sizes, block_m):
   return x2, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest
 
 
+@reference_vjp(reference.grouped_fp4_matmul)
 def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, *,
                        implementation: str = "xla", block_m: int = 16, block_n: int = 64,
                        splits: int | None = None, rows: int = 32, num_warps: int = 4,
@@ -195,6 +198,7 @@ def _finish(partials, m, w, lead, n):
   return y.astype(jnp.bfloat16).reshape(*lead, n)
 
 
+@reference_vjp(reference.bf16_matmul)
 def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "xla", block_m: int = 16,
                 block_n: int = 128, block_k: int = 64, splits: int | None = None,
                 num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
@@ -217,6 +221,7 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "xla", bloc
   return jnp.sum(partials, axis=0)[:m].astype(jnp.bfloat16).reshape(*lead, n)
 
 
+@reference_vjp(reference.grouped_bf16_matmul)
 def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                         implementation: str = "xla", block_m: int = 16, block_n: int = 128,
                         block_k: int = 64, splits: int | None = None, num_warps: int = 4,
