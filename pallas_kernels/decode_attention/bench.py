@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.decode_attention import api, reference
-from pallas_kernels.fp4_matmul.bench import KERNELS, copy_bandwidth, time_calls
+from pallas_kernels.fp4_matmul.bench import (KERNELS, copy_bandwidth, cuda_event_seconds,
+                                             time_calls)
 from trace_jax.quant import MXFP4, NVFP4, quantize
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
@@ -53,18 +53,8 @@ def torch_sdpa_seconds(b: int, s: int, copies: int) -> float | None:
   caches = [(torch.randn(b, KV_HEADS, s, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
              torch.randn(b, KV_HEADS, s, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
             for _ in range(copies)]
-  run = lambda: [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for k, v in caches]
-  run()
-  torch.cuda.synchronize()
-  samples = []
-  for _ in range(5):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    torch.cuda.synchronize()
-    samples.append(start.elapsed_time(end) / 1e3 / copies)
-  return statistics.median(samples)
+  sdpa = lambda kv: F.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True)
+  return cuda_event_seconds(torch, sdpa, caches)
 
 
 def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:

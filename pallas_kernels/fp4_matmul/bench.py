@@ -133,7 +133,7 @@ def copy_bandwidth(gib: float = 2.0, reps: int = 7) -> float:
   return 2 * x.nbytes / statistics.median(samples)
 
 
-def _cuda_event_seconds(torch, call, ws, reps: int = 5) -> float:
+def cuda_event_seconds(torch, call, ws, reps: int = 5) -> float:
   """Median seconds per call(w), by CUDA events around a pass over the weight copies."""
   for w in ws:
     call(w)
@@ -164,7 +164,7 @@ def torch_time(m: int, k: int, n: int, copies: int) -> float | None:
     return None
   x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
   ws = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-  return _cuda_event_seconds(torch, lambda w: x @ w, ws)
+  return cuda_event_seconds(torch, lambda w: x @ w, ws)
 
 
 def _attempt(result: dict, what: str, fn) -> None:
@@ -272,7 +272,7 @@ def torch_grouped(x, w, group_sizes, copies: int, ref) -> tuple[float, float] | 
   got = torch._grouped_mm(xt, to_torch(w), offs=offs).float().cpu().numpy()
   rel = _rel(got, ref) if ref is not None else float("nan")
   ws = [torch.randn(*w.shape, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-  return _cuda_event_seconds(torch, lambda b: torch._grouped_mm(xt, b, offs=offs), ws), rel
+  return cuda_event_seconds(torch, lambda b: torch._grouped_mm(xt, b, offs=offs), ws), rel
 
 
 def run_grouped(quick: bool = False, shapes: list[str] | None = None,
