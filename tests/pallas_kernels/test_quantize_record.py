@@ -42,7 +42,7 @@ def test_e2m1_encode_matches_the_core_on_every_bf16_value_and_ties():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", [(1, 32), (2, 3, 64), (17, 256), (5, 96)])  # 96: 3 blocks
+@pytest.mark.parametrize("shape", [(1, 32), (17, 2, 128), (5, 96)])  # 96: 3 MXFP4 blocks
 def test_kernel_in_interpret_mode_is_bit_exact(fmt, shape):
   x = hostile(jax.random.PRNGKey(sum(shape)), shape)
   want = quantize_and_record(x, fmt)

@@ -183,6 +183,7 @@ def test_pallas_kernels_compute_what_xla_computes(precision):
                                     np.asarray(rec.mant), err_msg=f"layer {layer} {site}")
 
 
+@pytest.mark.slow  # 13 s; the kernels' NVFP4 numerics are tested in tests/pallas_kernels
 def test_pallas_kernels_with_nvfp4():
   """NVFP4's global scale multiplies the kernels' float32 sums, where XLA rounds each
   global x block-scaled weight to bf16 first: last-bit differences, which the FP4 activation
