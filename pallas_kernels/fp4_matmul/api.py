@@ -133,8 +133,9 @@ def _check_grouped(name, x, w_shape, group_sizes):
 def _group_tiles(x, group_sizes, block_m):
   """Rows sorted by expert -> (x2, tile_expert, dest): x in bf16 with each group padded to whole
   block_m-row tiles (at most ceil(T / block_m) + E tiles, a static bound; unused tiles hold
-  zeros), each tile's expert followed by the number of tiles in use, and each row's place in x2, out of range past sum(group_sizes),
-  so that reading the output back with mode="fill" gives those rows zeros."""
+  zeros), each tile's expert followed by the number of tiles in use, and each row's place in
+  x2, out of range past sum(group_sizes), so that reading the output back with mode="fill"
+  gives those rows zeros."""
   t, k = x.shape
   e = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
@@ -164,9 +165,9 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, *,
   as `jax.lax.ragged_dot` takes them) @ W[e] [K, N] for per-expert FP4 weights w [E, K, N]
   -> [T, N] bf16; rows past sum(group_sizes) come out zero.
 
-  The pallas implementation pads each group to whole block_m-row tiles (`_group_tiles`; unused
-  tiles multiply zeros) and runs the dot kernel with each tile's expert read from a small
-  table."""
+  The pallas implementation pads each group to whole block_m-row tiles (`_group_tiles`) and
+  runs the dot kernel with each tile's expert read from a small table; the padding tiles past
+  the ones in use skip their K loop."""
   _check_impl(implementation)
   reference.check_weight(w, grouped=True)
   _check_grouped("grouped_fp4_matmul", x, w.shape, group_sizes)

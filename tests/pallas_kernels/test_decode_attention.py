@@ -1,4 +1,5 @@
-"""Decode attention kernel against its reference: interpret mode on CPU, compiled on a GPU (-m gpu)."""
+"""Decode attention kernel against its reference: interpret mode on CPU, compiled on a GPU
+(-m gpu)."""
 
 import jax
 import jax.numpy as jnp
