@@ -1,5 +1,6 @@
 """The RL entry point end to end: every mode, metrics, resume after a kill, NaN, bad configs."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import coding, long_horizon, reasoning
-from trace_jax.rl.loop import train
+from trace_jax.rl.loop import saved_config, train
 from trace_jax.rl.trainer import MODES
 from trace_jax.rl.writer import read_metrics
 
@@ -167,3 +168,12 @@ def test_resuming_with_another_config_is_refused(data_dir, tmp_path):
   train(smoke(data_dir), str(tmp_path), progress=False, log=lambda *_: None)
   with pytest.raises(ValueError, match=r"different config \(keys \['rl.lr'\]\)"):
     train(smoke(data_dir, "rl.lr=0.5"), str(tmp_path), progress=False)
+
+
+def test_a_config_saved_before_a_key_existed_loads_with_its_default(data_dir):
+  """Runs written before rl.kernels existed load (load_run) and resume: the key takes its
+  default, the behaviour those runs had."""
+  c = smoke(data_dir)
+  old = json.loads(c.to_json())
+  del old["rl"]["kernels"]
+  assert json.loads(saved_config(old).to_json()) == json.loads(c.to_json())

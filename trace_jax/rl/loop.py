@@ -27,6 +27,7 @@ from trace_jax.models import ModelConfig, init_params, pack_weights
 from trace_jax.rl import grpo
 from trace_jax.rl import metrics as M
 from trace_jax.rl.checkpoint import Checkpointer
+from trace_jax.rl.defaults import base_config
 from trace_jax.rl.episodes import episode_length, greedy_accuracy, rollout
 from trace_jax.rl.plots import plot_run
 from trace_jax.rl.recompute import recompute
@@ -155,6 +156,14 @@ def _config_json(c) -> dict:
   return json.loads(c.to_json())
 
 
+def saved_config(saved: dict) -> ml_collections.ConfigDict:
+  """A run's saved config, with the keys added to the schema since it was written at their
+  defaults (the behaviour that run had), so that older runs load and resume."""
+  c = base_config()
+  c.update(saved)
+  return c
+
+
 class _Preempted(Exception):
   pass
 
@@ -168,7 +177,7 @@ def _open(c, workdir: str, ckpt: Checkpointer, log=print):
   start = ckpt.latest_step() or 0
   if start:
     meta = ckpt.meta(start)
-    _check_same_config(meta["config"], _config_json(c), workdir)
+    _check_same_config(_config_json(saved_config(meta["config"])), _config_json(c), workdir)
     tokenizer = load_tokenizer_json(meta["tokenizer"])
   else:
     tokenizer = CharTokenizer(make_task(c.task).alphabet())
@@ -189,7 +198,7 @@ def load_run(workdir: str, data_dir: str | None = None):
   step = ckpt.latest_step()
   if step is None:
     raise ValueError(f"no checkpoint in {workdir}")
-  c = ml_collections.ConfigDict(ckpt.meta(step)["config"])
+  c = saved_config(ckpt.meta(step)["config"])
   if data_dir is not None:
     c.data_dir = data_dir
   try:

@@ -110,8 +110,8 @@ class RolloutEngine:
   `records`: "none" | "all" | "last:N" | [layer indices]. `collect_codes` also returns every
   quantized site's element codes (large; for the mismatch probe). `attn_chunk`: the sequence
   split of flash-decoding. `kernels`: "xla", or "pallas" for the Pallas matmul and decode
-  attention kernels (the same numbers up to the order of float32 sums; GPU, or interpret mode
-  elsewhere).
+  attention kernels (GPU, or interpret mode elsewhere; `trace_jax.models.kernels` says how
+  their numbers relate to XLA's).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
