@@ -90,8 +90,9 @@ def grouped_inputs(seed, t, k, n, sizes, fmt, per_expert=True):
   return x, q, jnp.asarray(sizes, jnp.int32)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("per_expert", [True, False])
+@pytest.mark.parametrize("fmt,per_expert", [(MXFP4, True), (NVFP4_TENSOR, True),
+                                            (NVFP4_TENSOR, False)],  # MXFP4 has no global
+                         ids=["mxfp4", "nvfp4-per-expert", "nvfp4-one-global"])
 def test_grouped_reference_is_one_matmul_per_expert(fmt, per_expert):
   x, w, sizes = grouped_inputs(0, 30, 256, 128, [5, 0, 17, 3], fmt, per_expert)
   got = np.asarray(grouped_fp4_matmul(x, w, sizes), np.float32)
@@ -106,9 +107,10 @@ def test_grouped_reference_is_one_matmul_per_expert(fmt, per_expert):
   assert not got[start:].any()  # rows past the groups
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("sizes,t,per_expert", [([5, 0, 17, 3], 27, True), ([0, 0, 1], 1, True),
-                                                ([40], 40, False)])
+@pytest.mark.parametrize("fmt,sizes,t,per_expert", [
+    (MXFP4, [5, 0, 17, 3], 27, True), (NVFP4_TENSOR, [5, 0, 17, 3], 27, True),
+    (MXFP4, [0, 0, 1], 1, True), (NVFP4_TENSOR, [40], 40, False)],
+    ids=["mxfp4-ragged", "nvfp4-ragged", "mxfp4-one-row", "nvfp4-one-group"])
 def test_grouped_kernel_in_interpret_mode(fmt, sizes, t, per_expert):
   x, w, sizes = grouped_inputs(t, t, 256, 128, sizes, fmt, per_expert)
   got = grouped_fp4_matmul(x, w, sizes, implementation="pallas", splits=2, interpret=True,
