@@ -75,7 +75,7 @@ def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps
   total = context + steps + 1
   prompts = jnp.zeros((batch, 8), jnp.int32)
   lengths = jnp.full((batch,), 8, jnp.int32)
-  shapes = jax.eval_shape(lambda *a: engine._prefill(*a, total), weights, prompts, lengths, key)
+  shapes = jax.eval_shape(lambda *a: engine.start(*a, total), weights, prompts, lengths, key)
   state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   slots = state["valid"].shape[1]
   state.update(t=jnp.asarray(context, jnp.int32), limit=jnp.asarray(total - 1, jnp.int32),
@@ -142,15 +142,15 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       key = jax.random.PRNGKey(b)
       try:
         t0 = time.perf_counter()
-        jax.block_until_ready(engine._decode_jit(weights, decode_state(engine, weights, b,
-                                                                       context, steps, key)))
+        state = decode_state(engine, weights, b, context, steps, key)
+        jax.block_until_ready(engine.run(weights, state, context + steps))
         compile_s = time.perf_counter() - t0
         samples = []
         for rep in range(3):
           state = jax.block_until_ready(decode_state(engine, weights, b, context, steps,
                                                      jax.random.fold_in(key, rep)))
           t0 = time.perf_counter()
-          out = jax.block_until_ready(engine._decode_jit(weights, state))
+          out = jax.block_until_ready(engine.run(weights, state, context + steps))
           samples.append(time.perf_counter() - t0)
         assert int(out["t"]) == context + steps, int(out["t"])
       except Exception as e:  # noqa: BLE001  (out of memory at a large batch: reported)

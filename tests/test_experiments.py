@@ -1,13 +1,14 @@
-"""The ablation script end to end in its smoke setting, and the notebook that reads it."""
+"""The ablation script end to end in its smoke setting, the notebook that reads it, and the
+rollout benchmark on CPU (its kernels interpreted)."""
 
 import json
 import os
 
 import pytest
 
-from experiments import ablation
+from experiments import ablation, bench_rollout
 
-pytestmark = pytest.mark.slow  # a few minutes: several short RL runs and a probe
+pytestmark = pytest.mark.slow  # minutes: short RL runs, a probe, an interpreted benchmark
 
 
 def run_notebook(path, out):
@@ -45,3 +46,12 @@ def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path):
   assert "| reasoning | bf16 |" in open(os.path.join(out, "table.md")).read()
   scope = run_notebook(os.path.join(os.path.dirname(ablation.__file__), "ablation.ipynb"), out)
   assert scope["FAMILIES"] == ["reasoning"]
+
+
+def test_bench_rollout_runs_its_variants():
+  result = bench_rollout.run(2, [4], 112, 16, ["bf16:xla", "mxfp4:pallas"], preset="small")
+  rows = result["rows"]
+  assert not result["errors"] and [r["variant"] for r in rows] == ["bf16:xla", "mxfp4:pallas"]
+  assert all(r["tokens_per_s"] > 0 and r["roofline_frac"] > 0 for r in rows)
+  assert rows[1]["bytes_per_step"]["total"] < rows[0]["bytes_per_step"]["total"] / 2
+  print(bench_rollout.table(result))
