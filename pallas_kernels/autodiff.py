@@ -13,9 +13,10 @@ import jax
 
 
 def reference_vjp(reference_fn):
-  """Decorates a dispatch `fn(*arrays, implementation=..., **static)`: with
-  implementation="pallas" its forward runs the kernel and its VJP is reference_fn's (which
-  takes the same positional arguments); "xla" is left as it is."""
+  """Decorates a dispatch `fn(*arrays, /, implementation=..., **static)` (arrays positional
+  only: keyword arguments are static, closed over): with implementation="pallas" its forward
+  runs the kernel and its VJP is reference_fn's (which takes the same positional arguments);
+  "xla" is left as it is."""
 
   def wrap(fn):
     @functools.wraps(fn)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import coding, long_horizon, reasoning
-from trace_jax.rl.loop import saved_config, train
+from trace_jax.rl.loop import _check_same_config, saved_config, train
 from trace_jax.rl.trainer import MODES
 from trace_jax.rl.writer import read_metrics
 
@@ -177,3 +177,12 @@ def test_a_config_saved_before_a_key_existed_loads_with_its_default(data_dir):
   old = json.loads(c.to_json())
   del old["rl"]["kernels"]
   assert json.loads(saved_config(old).to_json()) == json.loads(c.to_json())
+
+
+def test_a_run_resumes_with_its_data_elsewhere():
+  """data_dir (where prepared data lives, e.g. load_run(workdir, data_dir=...)) is not part of
+  what must match to resume; any other key is."""
+  saved = {"data_dir": "/a", "rl": {"lr": 1.0}}
+  _check_same_config(saved, {"data_dir": "/b", "rl": {"lr": 1.0}}, "w")
+  with pytest.raises(ValueError, match=r"keys \['rl.lr'\]"):
+    _check_same_config(saved, {"data_dir": "/b", "rl": {"lr": 2.0}}, "w")

@@ -16,7 +16,8 @@ from pallas_kernels.decode_attention import kernel, reference
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
-MIN_ROWS = 16  # the smallest matrix-instruction tile: fewer query heads per kv head are padded
+MIN_ROWS = 16  # the smallest matrix-instruction tile: query heads per kv head are padded to a
+# power of two of at least this many rows
 
 
 def default_splits(programs: int, blocks: int, target: int = 4 * 132) -> int:
@@ -28,6 +29,17 @@ def default_splits(programs: int, blocks: int, target: int = 4 * 132) -> int:
   return splits
 
 
+def _pow2(n: int) -> int:
+  return 1 << (n - 1).bit_length()
+
+
+def supports(slots: int, head_dim: int, block_s: int) -> bool:
+  """Whether the compiled kernel takes a cache of these sizes (Triton's tiles are powers of two:
+  the query rows are padded to one, head_dim and block_s must be one)."""
+  return (block_s >= 16 and _pow2(block_s) == block_s and slots % block_s == 0
+          and head_dim >= 32 and _pow2(head_dim) == head_dim)
+
+
 def _cache_arrays(c):
   if not isinstance(c, QArray):
     return "bf16", (c.astype(jnp.bfloat16),)
@@ -36,7 +48,7 @@ def _cache_arrays(c):
 
 
 @reference_vjp(reference.decode_attention)
-def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
+def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
                      implementation: str = "xla", block_s: int = 64, splits: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, decode: str | None = None,
                      interpret: bool = False, poison: bool = False) -> jax.Array:
@@ -52,15 +64,16 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
     return reference.decode_attention(q_BxHxDh, k, v, mask_BxS)
   b, h, dh = q_BxHxDh.shape
   s, kv = k.shape[1], k.shape[2]
-  if s % block_s or dh % 32:
+  if not supports(s, dh, block_s):
     raise ValueError(f"the pallas kernel needs the cache's {s} slots divisible by block_s "
-                     f"({block_s}) and head_dim ({dh}) a multiple of 32")
+                     f"({block_s}, a power of two >= 16) and head_dim ({dh}) a power of two "
+                     ">= 32 (the Triton lowering's tiles are powers of two)")
   fmt, k_arrays = _cache_arrays(k)
   fmt_v, v_arrays = _cache_arrays(v)
   if fmt != fmt_v:
     raise ValueError(f"K ({fmt}) and V ({fmt_v}) caches must share a format")
   g = h // kv
-  rows = max(g, MIN_ROWS)
+  rows = max(_pow2(g), MIN_ROWS)
   q = q_BxHxDh.astype(jnp.bfloat16).reshape(b, kv, g, dh)
   if fmt != "bf16":  # head_dim in [even | odd] order, the order of the decoded nibbles
     q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)

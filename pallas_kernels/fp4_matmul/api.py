@@ -49,7 +49,7 @@ def _pad_rows(x2, block_m):
 
 
 @reference_vjp(reference.fp4_matmul)
-def fp4_matmul(x: jax.Array, w: QArray, *, implementation: str = "xla", block_m: int = 16,
+def fp4_matmul(x: jax.Array, w: QArray, /, *, implementation: str = "xla", block_m: int = 16,
                block_n: int = 64, splits: int | None = None, rows: int = 32,
                num_warps: int = 4, num_stages: int = 4, decode: str | None = None,
                variant: str | None = None, interpret: bool = False,
@@ -156,7 +156,7 @@ def _group_tiles(x, group_sizes, block_m):
 
 
 @reference_vjp(reference.grouped_fp4_matmul)
-def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, *,
+def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, /, *,
                        implementation: str = "xla", block_m: int = 16, block_n: int = 64,
                        splits: int | None = None, rows: int = 32, num_warps: int = 4,
                        num_stages: int = 4, decode: str | None = None, interpret: bool = False,
@@ -200,7 +200,7 @@ def _finish(partials, m, w, lead, n):
 
 
 @reference_vjp(reference.bf16_matmul)
-def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "xla", block_m: int = 16,
+def bf16_matmul(x: jax.Array, w: jax.Array, /, *, implementation: str = "xla", block_m: int = 16,
                 block_n: int = 128, block_k: int = 64, splits: int | None = None,
                 num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
                 poison: bool = False) -> jax.Array:
@@ -223,7 +223,7 @@ def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "xla", bloc
 
 
 @reference_vjp(reference.grouped_bf16_matmul)
-def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, /, *,
                         implementation: str = "xla", block_m: int = 16, block_n: int = 128,
                         block_k: int = 64, splits: int | None = None, num_warps: int = 4,
                         num_stages: int = 3, interpret: bool = False,

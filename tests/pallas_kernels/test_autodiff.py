@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.fp4_matmul import fp4_matmul, grouped_bf16_matmul
@@ -41,3 +42,12 @@ def test_attention_gradients_are_the_references():
   got, want = grads(fn, (q, *kv, mask), (0, 1, 2))
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_arrays_are_positional_only():
+  """Keyword arguments of a dispatch are static (closed over by its custom_vjp): an array
+  passed by keyword would get no gradient, so it is refused."""
+  x = jnp.ones((2, 128), jnp.bfloat16)
+  w = jnp.ones((2, 128, 128), jnp.bfloat16)
+  with pytest.raises(TypeError, match="group_sizes"):
+    grouped_bf16_matmul(x, w, group_sizes=jnp.asarray([1, 1]), implementation="pallas")

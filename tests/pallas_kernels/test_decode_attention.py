@@ -61,6 +61,7 @@ def test_reference_matches_the_engines_flash_decoding(fmt):
     (fmt, 2, 128, 2, 4, 64, 32, 2) for fmt in FORMATS] + [  # G < 16: padded query rows
     (MXFP4, 1, 256, 1, 16, 64, 64, 4),   # G = 16, one kv head
     (NVFP4, 3, 64, 2, 2, 128, 32, None),  # head_dim 128, the default split count
+    (MXFP4, 1, 64, 1, 20, 32, 32, None),  # G = 20: padded to 32 rows (a power of two)
 ], ids=lambda v: fmt_id(v) if v is None or hasattr(v, "name") else None)
 def test_kernel_in_interpret_mode(fmt, b, s, kv, g, dh, block_s, splits):
   q, k, v, mask = inputs(b * s + g, b, s, kv, g, dh, fmt, lengths=[s - 5 * i for i in range(b)])
@@ -116,6 +117,9 @@ def test_kernel_tiling_errors():
                      interpret=True)
   with pytest.raises(ValueError, match="implementation"):
     decode_attention(q, k, v, mask, implementation="triton")
+  q, k, v, mask = inputs(6, 1, 64, 1, 2, 96, MXFP4)  # Triton's tiles are powers of two
+  with pytest.raises(ValueError, match="head_dim \\(96\\) a power of two"):
+    decode_attention(q, k, v, mask, implementation="pallas", block_s=32, interpret=True)
 
 
 @pytest.mark.gpu

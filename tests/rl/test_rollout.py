@@ -204,3 +204,17 @@ def test_kernel_switch_errors():
   cfg32, _ = policy("float32")
   with pytest.raises(ValueError, match="bf16 activations"):
     RolloutEngine(cfg32, QuantRecipe(), SamplingConfig(), kernels="pallas")
+
+
+def test_kernel_switch_leaves_what_no_kernel_takes_to_xla():
+  """Formats without a kernel (fp8) and sizes the kernels' power-of-two tiles do not fit: None,
+  and the rollout path computes them with XLA."""
+  from trace_jax.models import kernels as K
+  from trace_jax.quant import FP8, MXFP4, quantize
+  x = jnp.ones((2, 64), jnp.bfloat16)
+  assert K.linear(x, jnp.ones((64, 24), jnp.bfloat16)) is None  # 24 outputs: no tile
+  assert K.linear(x, quantize(jnp.ones((64, 64)), FP8, axis=0)) is None
+  assert K.linear(x, quantize(jnp.ones((64, 64)), MXFP4, axis=0)) is not None
+  q = jnp.ones((1, 2, 96), jnp.bfloat16)
+  cache = quantize(jnp.ones((1, 64, 1, 96)), MXFP4)  # head_dim 96
+  assert K.attention(q, cache, cache, jnp.ones((1, 64), bool)) is None

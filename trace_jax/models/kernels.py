@@ -3,10 +3,10 @@ computed by XLA ("xla") or by the Pallas kernels of `pallas_kernels` ("pallas").
 
 Both compute the same numbers up to the order of float32 sums (and, for NVFP4, where the global
 scale multiplies: the kernels apply it to the float32 result, XLA to each dequantized value
-before rounding it to bf16). The kernels take MXFP4 and NVFP4 weights and caches, and bf16 ones
-(the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the same design);
-other formats (fp8) stay on XLA. On a backend other than GPU the kernels run in Pallas'
-interpret mode: slow, for tests.
+before rounding it to bf16). The kernels take MXFP4 and NVFP4 weights and caches, and bf16
+ones (the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the same
+design); other formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA. On a
+backend other than GPU the kernels run in Pallas' interpret mode: slow, for tests.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.decode_attention.api import supports as supports_attention
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
 from trace_jax.quant import QArray
@@ -36,48 +37,57 @@ def _interpret() -> bool:
   return jax.default_backend() != "gpu"
 
 
-def _divisor(n: int, choices: tuple[int, ...], what: str) -> int:
-  for c in choices:
-    if n % c == 0:
-      return c
-  raise ValueError(f"the pallas kernels need {what} ({n}) divisible by one of {choices}")
+def _divisor(n: int, choices: tuple[int, ...]) -> int | None:
+  return next((c for c in choices if n % c == 0), None)
 
 
-def _fp4_tiles(k: int, n: int) -> dict:
-  return dict(block_n=_divisor(n, (64, 32, 16), "the output features"),
-              rows=_divisor(k // 2, (32, 16), "half the input features"))
+def _fp4_tiles(w: QArray) -> dict | None:
+  """Tiles for a [K, N] (or K-major [N, K]) FP4 weight, or None where none fits."""
+  k, n = w.shape[-2:][::-1] if w.axis == -1 else w.shape[-2:]
+  tiles = dict(block_n=_divisor(n, (64, 32, 16)), rows=_divisor(k // 2, (32, 16)))
+  return None if None in tiles.values() or k % 2 else tiles
 
 
-def _bf16_tiles(k: int, n: int) -> dict:
-  return dict(block_n=_divisor(n, (128, 64, 32, 16), "the output features"),
-              block_k=_divisor(k, (64, 32, 16), "the input features"))
+def _bf16_tiles(w: jax.Array) -> dict | None:
+  k, n = w.shape[-2:]
+  tiles = dict(block_n=_divisor(n, (128, 64, 32, 16)), block_k=_divisor(k, (64, 32, 16)))
+  return None if None in tiles.values() else tiles
+
+
+def _tiles(w) -> dict | None:
+  """The tiles the kernels take w with, or None where they take no such weight (other formats,
+  or sizes no tile divides): then XLA computes it."""
+  if isinstance(w, QArray):
+    return _fp4_tiles(w) if w.fmt.name in _FP4_WEIGHTS else None
+  return _bf16_tiles(w)
 
 
 def linear(x: jax.Array, w) -> jax.Array | None:
   """x [..., K] @ w [K, N] by a kernel, or None where no kernel takes w."""
-  if isinstance(w, QArray):
-    if w.fmt.name not in _FP4_WEIGHTS:
-      return None
-    return fp4_matmul(x, w, implementation="pallas", interpret=_interpret(), **_fp4_tiles(*w.shape))
-  return bf16_matmul(x, w, implementation="pallas", interpret=_interpret(), **_bf16_tiles(*w.shape))
+  tiles = _tiles(w)
+  if tiles is None:
+    return None
+  matmul = fp4_matmul if isinstance(w, QArray) else bf16_matmul
+  return matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles)
 
 
 def experts(x_MxD: jax.Array, w, group_sizes: jax.Array) -> jax.Array | None:
   """Rows sorted by expert @ their expert's w [E, K, N] by a kernel, or None."""
-  if isinstance(w, QArray):
-    if w.fmt.name not in _FP4_WEIGHTS:
-      return None
-    return grouped_fp4_matmul(x_MxD, w, group_sizes, implementation="pallas",
-                              interpret=_interpret(), **_fp4_tiles(*w.shape[1:]))
-  return grouped_bf16_matmul(x_MxD, w, group_sizes, implementation="pallas",
-                             interpret=_interpret(), **_bf16_tiles(*w.shape[1:]))
+  tiles = _tiles(w)
+  if tiles is None:
+    return None
+  matmul = grouped_fp4_matmul if isinstance(w, QArray) else grouped_bf16_matmul
+  return matmul(x_MxD, w, group_sizes, implementation="pallas", interpret=_interpret(), **tiles)
 
 
 def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array) -> jax.Array | None:
   """One query per sequence against the whole cache by the kernel, or None where no kernel
-  takes the cache."""
+  takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit)."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
     return None
-  block_s = _divisor(k.shape[1], (64, 32, 16), "the cache's slots")
+  slots, head_dim = k.shape[1], k.shape[-1]
+  block_s = _divisor(slots, (64, 32, 16))
+  if block_s is None or not supports_attention(slots, head_dim, block_s):
+    return None
   return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", block_s=block_s,
                           interpret=_interpret())

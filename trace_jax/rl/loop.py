@@ -283,7 +283,8 @@ def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
       out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
   a, b = flat(saved), flat(now)
-  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+  # data_dir says where the prepared data lives, not what the run does
+  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k != "data_dir")
   if diff:
     raise ValueError(f"{workdir} holds a run with a different config (keys {diff}); resume with "
                      "the same config or use a new --workdir")
