@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fp4_matmul import api, reference
+from pallas_kernels.fp4_matmul import api, mosaic, reference
 from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
 
 # decode shapes of the qwen3_30b_a3b preset and the dot of the kernels issue
@@ -55,6 +55,13 @@ GEMV_SWEEP = ([dict(block_n=bn, rows=r, num_warps=w, num_stages=st, splits=sp, d
               + [dict(block_n=128, rows=32, num_warps=4, num_stages=4, splits=4, decode="bits",
                       variant="gemv")]
               + [dict(c, decode="asm", variant="dot") for c in SWEEP[:3]])
+# the Mosaic GPU (wgmma, decoded weight in registers) kernels against the Triton ones
+MOSAIC = [dict(backend="mosaic", block_k2=bk, splits=sp, max_concurrent_steps=st)
+          for bk, sp, st in [(256, None, 2), (256, None, 4), (128, None, 4), (64, None, 8),
+                             (512, None, 2), (256, 2, 3)]]
+MOSAIC_SWEEP = MOSAIC + [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot")]
+MOSAIC_BF16 = [dict(block_k=bk, splits=sp, max_concurrent_steps=st)
+               for bk, sp, st in [(128, None, 4), (64, None, 6), (128, 2, 3), (256, None, 3)]]
 
 
 KERNELS: dict[str, float] = {}  # per kernel name: microseconds per call, of the last trace
@@ -219,6 +226,14 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
       g = lambda a, b: api.bf16_matmul(a, b, implementation="pallas")
       attempt(lambda: record("pallas bf16", time_calls(g, x, w16), k * n * 2,
                              _rel(jax.jit(g)(x, w16[0]), ref16)), "pallas bf16")
+      if any(c.get("backend") == "mosaic" for c in configs):
+        w16t = [w.T for w in w16]  # K-major, outside the timing
+        for cfg in MOSAIC_BF16:
+          g = lambda a, b, cfg=cfg: mosaic.bf16_matmul(a, b, **cfg)
+          attempt(lambda g=g, cfg=cfg: record("mosaic bf16", time_calls(g, x, w16t), k * n * 2,
+                                              _rel(jax.jit(g)(x, w16t[0]), ref16), cfg),
+                  f"mosaic bf16 {cfg}")
+        del w16t
       t = torch_time(m, k, n, copies)
       if t is not None:
         record("torch bf16", (t, None), k * n * 2, float("nan"))  # CUDA events
@@ -226,17 +241,21 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
         wbytes = ws[0].nbytes
         ref = reference.fp4_matmul(x, ws[0])
         record(f"xla {fmt} dequant+dot", time_calls(reference.fp4_matmul, x, ws), wbytes, 0.0)
-        wts = None
+        wts = tiled = None
         for cfg in configs:
-          if n % cfg["block_n"] or (cfg.get("variant") == "gemv" and m > 8):
+          if n % cfg.get("block_n", 64) or (cfg.get("variant") == "gemv" and m > 8):
             continue
-          kw = {key: v for key, v in cfg.items() if key != "layout"}
-          if cfg.get("layout") == "kmajor":  # the weight pre-transposed, outside the timing
-            wts = wts or [reference.transpose(w) for w in ws]
-            args, label = wts, dict(kw, variant="kmajor")
+          kw = {key: v for key, v in cfg.items() if key not in ("layout", "backend")}
+          if cfg.get("layout") == "kmajor" or cfg.get("backend") == "mosaic":
+            wts = wts or [reference.transpose(w) for w in ws]  # outside the timing
+            args, label = wts, dict(kw, variant=cfg.get("backend", "kmajor"))
           else:
             args, label = ws, kw
           p = lambda a, b, kw=kw: api.fp4_matmul(a, b, implementation="pallas", **kw)
+          if cfg.get("backend") == "mosaic":  # the weight in its tiled layout
+            tiled = tiled or [mosaic.tile_weight(w) for w in wts]
+            args = tiled
+            p = lambda a, b, kw=kw: mosaic.fp4_matmul(a, b, fmt=fmt[:5], **kw)
           attempt(lambda p=p, args=args, label=label: record(
               f"pallas {fmt}", time_calls(p, x, args), wbytes, _rel(jax.jit(p)(x, args[0]), ref),
               label), f"pallas {fmt} {cfg}")
@@ -442,7 +461,10 @@ def table(result: dict) -> str:
     cfg = (f" n{r['block_n']}r{r['rows']}w{r['num_warps']}s{r['num_stages']}"
            f"{'k' + str(r['splits']) if r.get('splits') else ''} {r.get('decode', '')} "
            f"{r.get('kernel', '')}"
-           if "block_n" in r else "")
+           if "block_n" in r and "rows" in r else
+           " " + " ".join(f"{key}={r[key]}" for key in ("block_k2", "block_k", "splits",
+                                                      "max_concurrent_steps", "kernel")
+                          if r.get(key) is not None))
     routed = f" T={r['T']} hit={r['experts_hit']}" if "experts_hit" in r else ""
     lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:40s} {r['us']:9.1f} "
                  f"{r['wall_us']:8.1f} {r['GB/s']:8.0f} {100 * r['copy_frac']:6.1f} "
@@ -464,6 +486,8 @@ def main():
                       help="the wide sweep, each config with both FP4 decodes (bits, asm)")
   parser.add_argument("--kmajor_sweep", action="store_true",
                       help="tile configs of the K-major kernel (weight in registers)")
+  parser.add_argument("--mosaic_sweep", action="store_true",
+                      help="the Mosaic GPU (wgmma) kernels, FP4 and bf16, and the Triton dot")
   parser.add_argument("--gemv_sweep", action="store_true",
                       help="tile configs of the few-row (gemv) kernel, and a few of the dot one")
   parser.add_argument("--grouped", action="store_true",
@@ -491,7 +515,8 @@ def main():
     result, path = run_grouped(args.quick, shapes, batches, formats), "fp4_matmul_grouped.json"
   else:
     result = run(args.quick, shapes, batches,
-                 KMAJOR_SWEEP if args.kmajor_sweep else GEMV_SWEEP if args.gemv_sweep
+                 MOSAIC_SWEEP if args.mosaic_sweep
+                 else KMAJOR_SWEEP if args.kmajor_sweep else GEMV_SWEEP if args.gemv_sweep
                  else DECODE_SWEEP if args.decode_sweep
                  else SWEEP if args.sweep else None, formats)
     path = "fp4_matmul_bench.json"

@@ -1,0 +1,276 @@
+"""Pallas (Mosaic GPU lowering, Hopper) FP4 matmul: the decoded weight fed to wgmma from registers.
+
+The Triton kernels (`kernel.py`) decode a weight tile in registers and then pass it through
+shared memory on its way into the matrix instruction (Triton's layout conversion); on the H200
+that pass, not DRAM, limits them to ~25% of the copy bandwidth. Here the weight is the
+instruction's A operand, which wgmma reads from registers: with y^T = W^T x^T and the codes
+stored K-major ([N, K/2], one weight row per output feature), each warpgroup loads a
+[64, 32]-byte tile of codes from shared memory straight into the A operand's register layout,
+decodes it there and issues
+
+    acc[64, M] += dec(codes & 15) @ x_e^T[32, M] + dec(codes >> 4) @ x_o^T[32, M]
+
+with x_e, x_o the even and odd K columns of x (B operands in shared memory). M, the tokens,
+is the instruction's N dimension: decode batches are padded to a multiple of 16 (up to 256).
+A pipeline of bulk copies streams codes, scales and x through shared memory; the grid is
+(N / 64 row tiles, K splits), whose float32 partials are summed outside, as in `kernel.py`.
+
+Numerics: each value decodes to the bf16 XLA's dequantization gives it (MXFP4: E2M1 x 2^e,
+exact; NVFP4: E2M1 x (E4M3 x global) in float32, rounded once to bf16); products accumulate in
+float32. The weight is stored pre-tiled (`tile_weight`: [64-row, 32-byte] code tiles and
+64-row scale vectors, each contiguous), because Mosaic swizzles only contiguous shared-memory
+tiles; the tiling is a layout change made once, when weights are packed.
+
+`bf16_wgmma_partials` is the bf16 twin: the same grid and pipeline on a K-major bf16 weight,
+both operands of wgmma read from shared memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+CHUNK = 32  # packed columns decoded at a time: 64 K values, two MXFP4 blocks, four NVFP4
+
+
+def _e2m1(codes16):
+  """uint16 nibbles (0..15) -> their E2M1 values in bf16, by building the bits (see
+  `kernel.e2m1_bf16`)."""
+  m = codes16 & 7
+  bits = jnp.where(m > 1, (m << 6) + 0x3F00, m * 0x3F00) | ((codes16 & 8) << 12)
+  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def _scale_row(s_u8, fmt, g):
+  """A row of scale bytes -> MXFP4: bf16 2^(s - 127) (the byte is bf16's exponent field);
+  NVFP4: float32 E4M3(s) x g, the factor XLA's dequantization multiplies each value by."""
+  if fmt == "mxfp4":
+    return jax.lax.bitcast_convert_type(s_u8.astype(jnp.uint16) << 7, jnp.bfloat16)
+  return jax.lax.bitcast_convert_type(s_u8, jnp.float8_e4m3fn).astype(jnp.float32) * g
+
+
+def _decode(codes16, scale, fmt):
+  """Nibbles and their scale tile -> bf16 values: E2M1 x 2^e exactly (MXFP4), or
+  bf16(E2M1 x (E4M3 x g)) rounded once from float32 (NVFP4, as XLA dequantizes)."""
+  if fmt == "mxfp4":
+    return _e2m1(codes16) * scale
+  return (_e2m1(codes16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+def _load(ref, layout, optimized=True):
+  """plgpu.load of a whole (already indexed) ref: jax 0.10 takes the index as an argument,
+  later versions take it from the ref alone."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
+  return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, out_gmem, *, fmt, block_n, block_k2,
+          steps, max_concurrent_steps):
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+  m = xe_gmem.shape[1]
+  per_scale = 16 if fmt == "mxfp4" else 8  # packed columns per scale
+  wgmma = plgpu.Layout.WGMMA
+  row_l = wgmma.reduce(1)  # a [64] vector, one value per row of the A operand
+
+  g = g_gmem[0] if fmt == "nvfp4" else None
+
+  def scale_tile(scales_smem, j, shape):
+    """The scale of every element of chunk j's [64, CHUNK] codes, in the A layout."""
+    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma) // per_scale
+    tile = None
+    for b in range(CHUNK // per_scale):
+      row = _load(scales_smem.at[0, j * (CHUNK // per_scale) + b], row_l)
+      row = plgpu.layout_cast(_scale_row(row, fmt, g), row_l)
+      full = plgpu.layout_cast(jax.lax.broadcast_in_dim(row, shape, [0]), wgmma)
+      tile = full if tile is None else jnp.where(col == b, full, tile)
+    return tile
+
+  def step(_, xe_smem, xo_smem, codes_smem, scales_smem, acc_ref):
+    for j in range(block_k2 // CHUNK):
+      cols = pl.ds(j * CHUNK, CHUNK)
+      codes = _load(codes_smem.at[0, j], wgmma).astype(jnp.uint16)
+      scale = scale_tile(scales_smem, j, codes.shape)
+      lo = plgpu.layout_cast(_decode(codes & 15, scale, fmt), wgmma)
+      hi = plgpu.layout_cast(_decode(codes >> 4, scale, fmt), wgmma)
+      plgpu.wgmma(acc_ref, lo, xe_smem.at[cols])
+      plgpu.wgmma(acc_ref, hi, xo_smem.at[cols])
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+  scale_cols, chunks = block_k2 // per_scale, block_k2 // CHUNK
+  k0 = si * steps
+
+  def acc_scope(acc_ref):
+    plgpu.emit_pipeline(
+        functools.partial(step, acc_ref=acc_ref),
+        grid=(steps,),
+        in_specs=[
+            plgpu.BlockSpec((block_k2, m), lambda k: (k0 + k, 0)),
+            plgpu.BlockSpec((block_k2, m), lambda k: (k0 + k, 0)),
+            plgpu.BlockSpec((1, chunks, 64, CHUNK), lambda k: (ni, k0 + k, 0, 0)),
+            plgpu.BlockSpec((1, scale_cols, 64), lambda k: (ni, k0 + k, 0)),
+        ],
+        max_concurrent_steps=max_concurrent_steps,
+    )(xe_gmem, xo_gmem, codes_gmem, scales_gmem)
+    return acc_ref[...]
+
+  _store(pl.run_scoped(acc_scope, plgpu.ACC((block_n, m))), out_gmem, si, ni, block_n)
+
+
+def _store(acc, out_gmem, si, ni, block_n):
+  """The accumulator tile [block_n, M] -> out_gmem[si, ni-th block_n rows], via shared memory."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(acc.shape, jnp.float32))
+  def _(o_smem):
+    o_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * block_n, block_n)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
+                                             "max_concurrent_steps"))
+def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
+                       block_k2: int = 256, splits: int = 1, max_concurrent_steps: int = 4):
+  """x's even and odd K columns transposed (xe_t, xo_t: [K/2, M], M a multiple of 16), a weight
+  in the tiled layout of `tile_weight` (codes [N/64, K/64, 64, 32], scales [N/64, K/block, 64]),
+  NVFP4's float32 global [1] (ignored for MXFP4) -> float32 [splits, N, M] partials of y^T."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  k2, m = xe_t.shape
+  n = codes.shape[0] * 64
+  if fmt not in ("mxfp4", "nvfp4"):
+    raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+  if codes.shape[1:] != (k2 // CHUNK, 64, CHUNK) or m % 16 or m > 256 \
+      or k2 % (block_k2 * splits) or block_k2 % CHUNK:
+    raise ValueError(f"the wgmma kernel needs tiled codes [N/64, K/64, 64, 32] (got "
+                     f"{codes.shape} for K/2 = {k2}), M ({m}) a multiple of 16 up to 256 and "
+                     f"K/2 divisible by block_k2 ({block_k2}, a multiple of {CHUNK}) x splits "
+                     f"({splits})")
+  body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2,
+                           steps=k2 // block_k2 // splits,
+                           max_concurrent_steps=max_concurrent_steps)
+  return plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
+      grid=(n // 64, splits), grid_names=("n", "s"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(xe_t, xo_t, codes, scales, jnp.reshape(global_scale, (1,)).astype(jnp.float32))
+
+
+def _bf16_body(x_gmem, w_gmem, out_gmem, *, block_n, block_k, steps, max_concurrent_steps):
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+  m = x_gmem.shape[1]
+  k0 = si * steps
+
+  def step(_, x_smem, w_smem, acc_ref):
+    plgpu.wgmma(acc_ref, w_smem, x_smem)
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+  def acc_scope(acc_ref):
+    plgpu.emit_pipeline(
+        functools.partial(step, acc_ref=acc_ref), grid=(steps,),
+        in_specs=[plgpu.BlockSpec((block_k, m), lambda k: (k0 + k, 0)),
+                  plgpu.BlockSpec((block_n, block_k), lambda k: (ni, k0 + k))],
+        max_concurrent_steps=max_concurrent_steps,
+    )(x_gmem, w_gmem)
+    return acc_ref[...]
+
+  _store(pl.run_scoped(acc_scope, plgpu.ACC((block_n, m))), out_gmem, si, ni, block_n)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "splits",
+                                             "max_concurrent_steps"))
+def bf16_wgmma_partials(x_t, w_t, *, block_n: int = 64, block_k: int = 128, splits: int = 1,
+                        max_concurrent_steps: int = 4):
+  """x transposed (x_t [K, M], M a multiple of 16), a K-major bf16 weight w_t [N, K] -> float32
+  [splits, N, M] partials of y^T."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  k, m = x_t.shape
+  n = w_t.shape[0]
+  if m % 16 or m > 256 or n % block_n or block_n % 64 or k % (block_k * splits) or block_k % 64:
+    raise ValueError(f"the wgmma kernel needs M ({m}) a multiple of 16 up to 256, N ({n}) "
+                     f"divisible by block_n ({block_n}, a multiple of 64) and K ({k}) by "
+                     f"block_k ({block_k}, a multiple of 64) x splits ({splits})")
+  body = functools.partial(_bf16_body, block_n=block_n, block_k=block_k,
+                           steps=k // block_k // splits,
+                           max_concurrent_steps=max_concurrent_steps)
+  return plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
+      grid=(n // block_n, splits), grid_names=("n", "s"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(x_t, w_t.astype(jnp.bfloat16))
+
+
+def _tokens(x, multiple: int = 16):
+  """x [..., K] -> (bf16 [M', K] with M' the rows padded to a multiple of 16, M, lead dims)."""
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
+  m = x2.shape[0]
+  return jnp.pad(x2, ((0, -m % multiple), (0, 0))), m, lead
+
+
+def tile_weight(w) -> dict:
+  """A K-major MXFP4 / NVFP4 weight ([N, K] quantized along K, `reference.transpose` of a [K, N]
+  one) -> the kernel's layout, made once when weights are packed: codes [N/64, K/64, 64, 32] and
+  scales [N/64, K/block, 64], so that each step's tiles are contiguous in shared memory (Mosaic
+  swizzles only contiguous tiles); and the global (1.0 for MXFP4)."""
+  from pallas_kernels.fp4_matmul import reference
+  reference.check_weight(w)
+  if w.axis != -1:
+    raise ValueError("tile_weight takes the K-major weight [N, K] (reference.transpose)")
+  n, k = w.shape
+  if n % 64 or k % (2 * CHUNK):
+    raise ValueError(f"the wgmma kernel needs N ({n}) divisible by 64 and K ({k}) by "
+                     f"{2 * CHUNK}")
+  codes = w.codes.reshape(n // 64, 64, k // (2 * CHUNK), CHUNK).transpose(0, 2, 1, 3)
+  scales = w.scales.reshape(n // 64, 64, -1).transpose(0, 2, 1)
+  g = jnp.float32(1.0) if w.global_scale is None else w.global_scale.reshape(())
+  return {"codes": codes, "scales": scales, "global_scale": g}
+
+
+def fp4_matmul(x: jax.Array, w: dict, *, fmt: str, block_k2: int = 256,
+               splits: int | None = None, max_concurrent_steps: int = 2) -> jax.Array:
+  """x [..., K] @ W -> [..., N] bf16 for a weight in `tile_weight`'s layout, by the wgmma
+  kernel (compiled Hopper only). fmt: "mxfp4" or "nvfp4"."""
+  n, k = w["codes"].shape[0] * 64, w["codes"].shape[1] * 2 * CHUNK
+  x2, m, lead = _tokens(x)
+  if x2.shape[1] != k:
+    raise ValueError(f"x has {x2.shape[1]} features, the weight expects {k}")
+  splits = splits or _splits(n // 64, (k // 2) // block_k2)
+  partials = fp4_wgmma_partials(x2[:, 0::2].T, x2[:, 1::2].T, w["codes"], w["scales"],
+                                w["global_scale"], fmt=fmt, block_k2=block_k2, splits=splits,
+                                max_concurrent_steps=max_concurrent_steps)
+  y = jnp.sum(partials, axis=0).T[:m]
+  return y.astype(jnp.bfloat16).reshape(*lead, n)
+
+
+def bf16_matmul(x: jax.Array, w_t: jax.Array, *, block_n: int = 64, block_k: int = 128,
+                splits: int | None = None, max_concurrent_steps: int = 4) -> jax.Array:
+  """x [..., K] @ w_t.T -> [..., N] bf16 for a K-major bf16 weight w_t [N, K], by the wgmma
+  kernel (compiled Hopper only)."""
+  n, k = w_t.shape
+  x2, m, lead = _tokens(x)
+  splits = splits or _splits(n // block_n, k // block_k)
+  partials = bf16_wgmma_partials(x2.T, w_t, block_n=block_n, block_k=block_k, splits=splits,
+                                 max_concurrent_steps=max_concurrent_steps)
+  return jnp.sum(partials, axis=0).T[:m].astype(jnp.bfloat16).reshape(*lead, n)
+
+
+def _splits(tiles: int, steps: int, programs: int = 2 * 132) -> int:
+  """K splits (powers of two dividing the K steps, at most 8) until the grid has a few programs
+  for each of the H200's 132 multiprocessors."""
+  splits = 1
+  while tiles * splits < programs and steps % (splits * 2) == 0 and splits < 8:
+    splits *= 2
+  return splits

@@ -1,0 +1,90 @@
+"""The Mosaic GPU (wgmma) matmul kernels: layout and lowering on CPU, numerics on a GPU (-m gpu).
+
+Mosaic GPU has no interpret mode; on CPU the kernels are lowered for CUDA (layout inference and
+the kernel's own checks run there), and compiled only on a Hopper GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.fp4_matmul import mosaic, reference
+from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
+
+FORMATS = [MXFP4, NVFP4_TENSOR]
+
+
+def kmajor_weight(seed, k, n, fmt):
+  w = jax.random.normal(jax.random.PRNGKey(seed), (k, n))
+  w = w * jnp.exp(jax.random.normal(jax.random.PRNGKey(seed + 1), (1, n)))  # column scales
+  return reference.transpose(quantize(w, fmt, axis=0))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_tile_weight_is_a_layout_change(fmt):
+  """Every code byte and scale lands in the tile the kernel reads for its row and K range."""
+  n, k = 128, 256
+  w = kmajor_weight(0, k, n, fmt)
+  t = mosaic.tile_weight(w)
+  codes, scales = np.asarray(t["codes"]), np.asarray(t["scales"])
+  assert codes.shape == (n // 64, k // 64, 64, 32)
+  rows, cols = np.meshgrid(np.arange(n), np.arange(k // 2), indexing="ij")
+  np.testing.assert_array_equal(codes[rows // 64, cols // 32, rows % 64, cols % 32],
+                                np.asarray(w.codes))
+  block = fmt.block_size
+  rows, blocks = np.meshgrid(np.arange(n), np.arange(k // block), indexing="ij")
+  np.testing.assert_array_equal(scales[rows // 64, blocks, rows % 64], np.asarray(w.scales))
+  want_g = 1.0 if w.global_scale is None else float(np.asarray(w.global_scale).reshape(()))
+  assert float(t["global_scale"]) == want_g
+
+
+def test_tile_weight_names_what_is_wrong():
+  w = kmajor_weight(0, 256, 128, MXFP4)
+  with pytest.raises(ValueError, match="K-major"):
+    mosaic.tile_weight(reference.transpose(w))
+  with pytest.raises(ValueError, match="divisible by 64"):
+    mosaic.tile_weight(kmajor_weight(0, 256, 96, MXFP4))
+  with pytest.raises(ValueError, match="features"):
+    mosaic.fp4_matmul(jnp.zeros((2, 128), jnp.bfloat16), mosaic.tile_weight(w), fmt="mxfp4")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_kernels_lower_for_cuda(fmt):
+  """The whole Mosaic lowering (layout inference included) for a CUDA target, from CPU."""
+  w = jax.eval_shape(lambda: mosaic.tile_weight(kmajor_weight(0, 512, 128, fmt)))
+  x = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16)
+  f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, fmt=fmt.name[:5], block_k2=128))
+  assert jax.export.export(f, platforms=["cuda"])(x, w).mlir_module()
+  if fmt is MXFP4:
+    g = jax.jit(lambda x, w: mosaic.bf16_matmul(x, w, block_k=128))
+    wt = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+    assert jax.export.export(g, platforms=["cuda"])(x, wt).mlir_module()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m,k,n,block_k2", [(1, 4096, 1024, 256), (16, 2048, 768, 128),
+                                            (40, 768, 2048, 64)])
+def test_fp4_kernel_on_gpu(fmt, m, k, n, block_k2):
+  """Compiled: the same bf16 weight values as the reference (XLA's dequantization), float32
+  sums in another order."""
+  w = kmajor_weight(m + k, k, n, fmt)
+  x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
+  got = np.asarray(mosaic.fp4_matmul(x, mosaic.tile_weight(w), fmt=fmt.name[:5],
+                                     block_k2=block_k2), np.float32)
+  want = np.asarray(reference.fp4_matmul(x, w), np.float32)
+  assert not np.isnan(got).any()
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+  assert np.mean(got != want) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_bf16_kernel_on_gpu(m):
+  k, n = 1024, 512
+  x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
+  w = jax.random.normal(jax.random.PRNGKey(m + 1), (k, n), jnp.bfloat16)
+  got = np.asarray(mosaic.bf16_matmul(x, w.T), np.float32)
+  want = np.asarray(reference.bf16_matmul(x, w), np.float32)
+  assert not np.isnan(got).any()
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
