@@ -12,9 +12,11 @@ even head_dim entries, the high nibbles the odd ones. q comes in with its head_d
 
     s = q_e K_e^T + q_o K_o^T,    o_e = p V_e,  o_o = p V_o,
 
-and the output comes back in the same [even | odd] order. NVFP4's per-(slot, head) global
-multiplies the scores (K) and the probabilities (V). A bf16 cache takes the same kernel with
-one part instead of two.
+and the output comes back in the same [even | odd] order. The decoded values are the rollout
+engine's XLA dequantization, bit for bit: NVFP4's per-(slot, head) global multiplies each block
+scale in float32 (E4M3 x g) and each value is rounded to bf16 after its product with that, as
+`dequantize(cache).astype(bf16)` computes it; nothing multiplies the scores or probabilities.
+A bf16 cache takes the same kernel with one part instead of two.
 """
 
 from __future__ import annotations
@@ -25,19 +27,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.fp4_matmul.kernel import (check_decode, decode_nibbles, e4m3_bf16, e8m0_bf16)
+from pallas_kernels.fp4_matmul.kernel import block_scale, check_decode, decode_nibbles
 
 FORMATS = ("bf16", "mxfp4", "nvfp4")
 _MASKED = -1e30  # a finite running-max start: no inf - inf in the rescale
 
 
-def _scale_tile(scales_ref, b, s0, h, *, fmt, block_s, half):
-  """The bf16 scale of every packed column of a [block_s, Dh/2] codes tile: one scale column
-  per `group` packed columns (16 for MXFP4's 32-element blocks, 8 for NVFP4's 16), selected
-  per column."""
+def _scale_tile(scales_ref, b, s0, h, *, fmt, block_s, half, g=None):
+  """The scale (`block_scale`: bf16, or NVFP4's float32 E4M3 x g with g [block_s, 1]) of every
+  packed column of a [block_s, Dh/2] codes tile: one scale column per `group` packed columns
+  (16 for MXFP4's 32-element blocks, 8 for NVFP4's 16), selected per column."""
   group = 16 if fmt == "mxfp4" else 8
-  to_bf16 = (lambda s: e8m0_bf16(s.astype(jnp.int32))) if fmt == "mxfp4" else e4m3_bf16
-  raw = lambda j: to_bf16(scales_ref[b, pl.ds(s0, block_s), h, pl.ds(j, 1)])
+  raw = lambda j: block_scale(scales_ref[b, pl.ds(s0, block_s), h, pl.ds(j, 1)], fmt, g)
   tile = jnp.broadcast_to(raw(0), (block_s, half))
   which = jax.lax.broadcasted_iota(jnp.int32, (block_s, half), 1) // group
   for j in range(1, half // group):
@@ -46,15 +47,13 @@ def _scale_tile(scales_ref, b, s0, h, *, fmt, block_s, half):
 
 
 def _load(refs, b, s0, h, *, fmt, block_s, head_dim, decode):
-  """One block of a cache -> (its parts [block_s, Dh / parts] bf16, the global [block_s] or
-  None)."""
+  """One block of a cache -> its parts [block_s, Dh / parts], bf16."""
   if fmt == "bf16":
-    return (refs[0][b, pl.ds(s0, block_s), h, :],), None
-  half = head_dim // 2
+    return (refs[0][b, pl.ds(s0, block_s), h, :],)
   codes = refs[0][b, pl.ds(s0, block_s), h, :]
-  scale = _scale_tile(refs[1], b, s0, h, fmt=fmt, block_s=block_s, half=half)
-  glob = refs[2][b, pl.ds(s0, block_s), h, 0] if fmt == "nvfp4" else None
-  return decode_nibbles(codes, scale, decode), glob
+  g = refs[2][b, pl.ds(s0, block_s), h, pl.ds(0, 1)] if fmt == "nvfp4" else None
+  scale = _scale_tile(refs[1], b, s0, h, fmt=fmt, block_s=block_s, half=head_dim // 2, g=g)
+  return decode_nibbles(codes, scale, decode)
 
 
 def _kernel(q_ref, mask_ref, *refs, fmt: str, n_cache_refs: int, block_s: int,
@@ -74,21 +73,17 @@ def _kernel(q_ref, mask_ref, *refs, fmt: str, n_cache_refs: int, block_s: int,
   def step(i, carry):
     m, l, accs = carry
     s0 = pl.multiple_of(base + i * block_s, block_s)
-    ks, k_glob = load(k_refs, s0=s0)
+    ks = load(k_refs, s0=s0)
     s = sum(jax.lax.dot_general(q, k, contract_last, preferred_element_type=jnp.float32)
             for q, k in zip(qs, ks))
     s = s * head_dim**-0.5
-    if k_glob is not None:
-      s = s * k_glob[None, :]
     valid = mask_ref[b, pl.ds(s0, block_s)][None, :] != 0
     s = jnp.where(valid, s, _MASKED)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + jnp.sum(p, axis=1)
-    vs, v_glob = load(v_refs, s0=s0)
-    if v_glob is not None:
-      p = p * v_glob[None, :]
+    vs = load(v_refs, s0=s0)
     p = p.astype(jnp.bfloat16)
     accs = tuple(acc * alpha[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
                  for acc, v in zip(accs, vs))

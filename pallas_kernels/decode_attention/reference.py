@@ -1,12 +1,12 @@
 """Pure-jnp reference of decode attention: one query per sequence against its KV cache.
 
-The numerics the kernel follows, written plainly: a packed cache dequantizes to bf16 (as the
-rollout engine's XLA path does), scores are float32 sums of bf16 products scaled by
-head_dim^-1/2, masked slots are left out of the softmax, the probabilities are rounded to bf16
-and multiply V with float32 sums. A sequence with no valid slot attends to nothing and returns
-zeros. The kernel differs from this in the order of the sums (an online softmax over blocks of
-slots, then over splits) and, for NVFP4, in where the per-(slot, head) global scale multiplies:
-after the products (scores, probabilities) rather than before rounding each value to bf16.
+The numerics the kernel follows, written plainly: a packed cache dequantizes to bf16 as the
+rollout engine's XLA path does (NVFP4's per-(slot, head) global folded into each value before
+its rounding to bf16), scores are float32 sums of bf16 products scaled by head_dim^-1/2, masked
+slots are left out of the softmax, the probabilities are rounded to bf16 and multiply V with
+float32 sums. A sequence with no valid slot attends to nothing and returns zeros. The kernel
+differs from this only in the order of the sums (an online softmax over blocks of slots, then
+over splits).
 """
 
 from __future__ import annotations

@@ -93,17 +93,17 @@ def fp4_matmul(x: jax.Array, w: QArray, /, *, implementation: str = "xla", block
     x2, m = _pad_rows(x2, 1 << (x2.shape[0] - 1).bit_length())  # a power of two of rows
     splits = splits or default_splits(1, n // block_n, steps)
     partials = kernel.fp4_gemv_partials(
-        x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales, fmt=fmt, block_n=block_n,
-        splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages, decode=decode,
-        interpret=interpret, poison=poison)
-    return _finish(partials, m, w, lead, n)
+        x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales, w.global_scale, fmt=fmt,
+        block_n=block_n, splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
+        decode=decode, interpret=interpret, poison=poison)
+    return _finish(partials, m, lead, n)
   x2, m = _pad_rows(x2, block_m)
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, steps)
   partials = kernel.fp4_matmul_partials(
-      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, fmt=fmt, block_m=block_m, block_n=block_n,
-      splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages, decode=decode,
-      interpret=interpret, poison=poison)
-  return _finish(partials, m, w, lead, n)
+      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, w.global_scale, fmt=fmt, block_m=block_m,
+      block_n=block_n, splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
+      decode=decode, interpret=interpret, poison=poison)
+  return _finish(partials, m, lead, n)
 
 
 def _kmajor(x, w, k, n, *, block_m, block_n, splits, rows, num_warps, num_stages, decode,
@@ -116,11 +116,11 @@ def _kmajor(x, w, k, n, *, block_m, block_n, splits, rows, num_warps, num_stages
   steps = (k // 2) // rows
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, steps)
   partials = kernel.fp4_kmajor_partials(
-      x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales,
+      x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales, w.global_scale,
       fmt="mxfp4" if w.fmt.name == "mxfp4" else "nvfp4", block_m=block_m, block_n=block_n,
       splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
       decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
-  return _finish(jnp.swapaxes(partials, 1, 2), m, w, lead, n)
+  return _finish(jnp.swapaxes(partials, 1, 2), m, lead, n)
 
 
 def _check_grouped(name, x, w_shape, group_sizes):
@@ -181,21 +181,16 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, /, *,
   m = x2.shape[0]
   splits = splits or default_splits(m // block_m, n // block_n, (k // 2) // rows)
   partials = kernel.grouped_fp4_partials(
-      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, tile_expert,
+      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, tile_expert, w.global_scale,
       fmt="mxfp4" if w.fmt.name == "mxfp4" else "nvfp4", block_m=block_m, block_n=block_n,
       splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
       decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
   y = jnp.sum(partials, axis=0)  # NaN here means an unwritten (poisoned) element
-  if w.global_scale is not None:  # NVFP4: per expert, or one for the stack
-    g = jnp.broadcast_to(w.global_scale.reshape(-1), w.shape[:1])[tile_expert[:-1]]
-    y = y * jnp.repeat(g, block_m)[:, None]
   return y.astype(jnp.bfloat16).at[dest].get(mode="fill", fill_value=0)
 
 
-def _finish(partials, m, w, lead, n):
+def _finish(partials, m, lead, n):
   y = jnp.sum(partials, axis=0)[:m]  # NaN here means an unwritten (poisoned) element
-  if w.global_scale is not None:
-    y = y * w.global_scale.reshape(())
   return y.astype(jnp.bfloat16).reshape(*lead, n)
 
 

@@ -7,8 +7,11 @@ gather on the small activation) turns the nibble interleave into two dots:
     y = x_e @ dec(codes & 15) + x_o @ dec(codes >> 4)
 
 Each step of the K loop takes `rows` packed rows (16 rows: 32 K values, one MXFP4 block or two
-NVFP4 blocks), builds their exact bf16 values from bits (E2M1 x scale) and issues the two dots
-with float32 accumulation.
+NVFP4 blocks), builds their bf16 values from bits and issues the two dots with float32
+accumulation. The values are the rollout engine's XLA dequantization, bit for bit: MXFP4's
+E2M1 x 2^e is exact in bf16; NVFP4's is bf16(E2M1 x (E4M3 x g)), the scale times the global
+(per tensor, or per expert) in float32, then the product rounded to bf16, as
+`NVFP4Format.from_grid` and the cast to bf16 compute it. Nothing multiplies the dots' results.
 The grid is (N tiles, M tiles, K splits): decode batches are small, so the K range is split to
 give every multiprocessor work; the splits' float32 partials are summed outside.
 
@@ -42,12 +45,16 @@ def e2m1_bf16(codes):
 
 
 # PTX: packed codes -> scaled bf16 values, four codes bytes per asm instance (Triton hands it
-# four u8 elements in one register and their four bf16 scales in two; it returns four bf16 in
-# two). PRMT moves bytes 0 and 1 (then 2 and 3) into the high byte of each 16-bit half; the
-# chosen nibble's sign then lands on bf16's sign bit and its 3 exponent/mantissa bits on bf16
-# bits 8..6 with a shift and two masks: the E2M1 value times 2^-126 (0.5 lands on a bf16
-# subnormal, exactly). One bf16x2 FMA by 2^126 and one by the scale make it E2M1 x scale,
-# exactly. About 3.5 operations per element. One asm per nibble: jax lowers single-result asm.
+# four u8 elements in one register and their four scales in two registers (bf16) or four
+# (float32); it returns four bf16 in two). PRMT moves bytes 0 and 1 (then 2 and 3) into the
+# high byte of each 16-bit half; the chosen nibble's sign then lands on bf16's sign bit and its
+# 3 exponent/mantissa bits on bf16 bits 8..6 with a shift and two masks: the E2M1 value times
+# 2^-126 (0.5 lands on a bf16 subnormal, exactly). One bf16x2 FMA by 2^126 makes it the exact
+# E2M1 pair. MXFP4 (`E2M1_ASM`): one more bf16x2 FMA by the power-of-two scale, exact; about
+# 3.5 operations per element. NVFP4 (`E2M1_NV_ASM`): the pair split into two float32, each
+# multiplied by its float32 scale (E4M3 x global) and the two rounded back to bf16 together,
+# XLA's rounding; about 5.5 operations per element. One asm per nibble: jax lowers single-result
+# asm.
 _PAIR = """
   prmt.b32 d, $2, z, {sel};
   {sign}
@@ -56,29 +63,48 @@ _PAIR = """
   and.b32 t, t, 0x01C001C0;
   or.b32 u, u, t;
   fma.rn.bf16x2 u, u, bias, nz;
-  fma.rn.bf16x2 {out}, u, {scale}, nz;
+"""
+_SCALE_BF16 = """  fma.rn.bf16x2 {out}, u, {s[0]}, nz;
+"""
+_SCALE_F32 = """  shl.b32 f0, u, 16;
+  and.b32 f1, u, 0xFFFF0000;
+  mul.rn.f32 f0, f0, {s[0]};
+  mul.rn.f32 f1, f1, {s[1]};
+  cvt.rn.bf16x2.f32 {out}, f1, f0;
 """
 
 
-def _e2m1_asm(nibble: str) -> str:
+def _e2m1_asm(nibble: str, f32_scales: bool) -> str:
+  """$0, $1: the bf16 pairs of bytes 0-1 and 2-3; $2: the codes; then the scales: $3, $4 (bf16
+  pairs) or $3..$6 (float32, one an element)."""
   sign, shift = ("shl.b32 u, d, 4;", 2) if nibble == "lo" else ("mov.b32 u, d;", 6)
-  pair = lambda sel, out, scale: _PAIR.format(sel=sel, sign=sign, shift=shift, out=out,
-                                              scale=scale)
-  return ("{\n .reg .b32 d, t, u, z, bias, nz;\n mov.b32 z, 0;\n mov.b32 bias, 0x7E807E80;\n"
-          " mov.b32 nz, 0x80008000;\n" + pair("0x1404", "$0", "$3")
-          + pair("0x3424", "$1", "$4") + "}")
+  scale = _SCALE_F32 if f32_scales else _SCALE_BF16
+  scales = (("$3", "$4"), ("$5", "$6")) if f32_scales else (("$3",), ("$4",))
+  pair = lambda sel, out, s: (_PAIR.format(sel=sel, sign=sign, shift=shift)
+                              + scale.format(out=out, s=s))
+  regs = "d, t, u, z, bias, nz" + (", f0, f1" if f32_scales else "")
+  return ("{\n .reg .b32 " + regs + ";\n mov.b32 z, 0;\n mov.b32 bias, 0x7E807E80;\n"
+          " mov.b32 nz, 0x80008000;\n"
+          + pair("0x1404", "$0", scales[0]) + pair("0x3424", "$1", scales[1]) + "}")
 
 
-E2M1_ASM = {"lo": _e2m1_asm("lo"), "hi": _e2m1_asm("hi")}
+E2M1_ASM = {"lo": _e2m1_asm("lo", False), "hi": _e2m1_asm("hi", False)}
+E2M1_NV_ASM = {"lo": _e2m1_asm("lo", True), "hi": _e2m1_asm("hi", True)}
 
 
 def e2m1_pair_asm(codes_u8, scale):
-  """Packed codes (uint8, two E2M1 codes a byte) and their bf16 scales (same shape) -> the scaled
-  bf16 values of the low nibbles and of the high nibbles, by the PTX above (GPU only)."""
+  """Packed codes (uint8, two E2M1 codes a byte) and their scales (same shape; bf16 powers of
+  two, or NVFP4's float32 E4M3 x global) -> the scaled bf16 values of the low nibbles and of
+  the high nibbles, by the PTX above (GPU only)."""
   from jax.experimental.pallas import triton as pltriton
   out = jax.ShapeDtypeStruct(codes_u8.shape, jnp.bfloat16)
+  if scale.dtype == jnp.float32:  # one a register, as the 32-bit integers "r" operands take
+    asm, constraints = E2M1_NV_ASM, "=r,=r,r,r,r,r,r"
+    scale = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+  else:
+    asm, constraints = E2M1_ASM, "=r,=r,r,r,r"
   return tuple(pltriton.elementwise_inline_asm(
-      E2M1_ASM[nibble], args=[codes_u8, scale], constraints="=r,=r,r,r,r", pack=4,
+      asm[nibble], args=[codes_u8, scale], constraints=constraints, pack=4,
       result_shape_dtypes=[out])[0] for nibble in ("lo", "hi"))
 
 
@@ -87,23 +113,30 @@ def e8m0_bf16(s):
   return jax.lax.bitcast_convert_type((s << 7).astype(jnp.uint16), jnp.bfloat16)
 
 
-def e4m3_bf16(s):
-  """E4M3 bytes -> bf16 (exact: E4M3 values, subnormals included, are bf16 values)."""
+def e4m3_f32(s):
+  """E4M3 bytes -> float32."""
   return jax.lax.bitcast_convert_type(s.astype(jnp.uint8), jnp.float8_e4m3fn).astype(
-      jnp.bfloat16)
+      jnp.float32)
 
 
-def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n, k_major=False, expert=()):
-  """The bf16 scale of every packed row of the step, [rows, block_n] ([block_n, rows] when
-  `k_major`, scales_ref then being [N, K/B]): one scale row per `group` packed rows (16 for
+def block_scale(s, fmt: str, g=None):
+  """Scale bytes -> what `decode_nibbles` multiplies by: MXFP4's bf16 power of two, or NVFP4's
+  float32 E4M3 x g (g: the global, float32), rounded once as XLA's dequantize rounds it."""
+  if fmt == "mxfp4":
+    return e8m0_bf16(s.astype(jnp.int32))
+  return e4m3_f32(s) * g
+
+
+def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n, k_major=False, expert=(), g=None):
+  """The scale of every packed row of the step (`block_scale`), [rows, block_n] ([block_n, rows]
+  when `k_major`, scales_ref then being [N, K/B]): one scale row per `group` packed rows (16 for
   MXFP4, 8 for NVFP4), selected per row (no reshapes)."""
   group = 16 if fmt == "mxfp4" else 8
-  decode = e8m0_bf16 if fmt == "mxfp4" else e4m3_bf16
   if k_major:
     load = lambda j: scales_ref[pl.ds(n0, block_n), pl.ds(r0 // group + j, 1)]
   else:  # `expert`: the leading index of a grouped [E, K/B, N] scales_ref
     load = lambda j: scales_ref[(*expert, pl.ds(r0 // group + j, 1), pl.ds(n0, block_n))]
-  raw = lambda j: decode(load(j).astype(jnp.int32) if fmt == "mxfp4" else load(j))
+  raw = lambda j: block_scale(load(j), fmt, g)
   tile = raw(0)
   if rows > group:
     shape, axis = ((block_n, rows), 1) if k_major else ((rows, block_n), 0)
@@ -115,11 +148,15 @@ def _scale_tile(scales_ref, r0, n0, *, fmt, rows, block_n, k_major=False, expert
 
 
 def decode_nibbles(codes, scale, decode):
-  """Packed codes and their scales (broadcastable) -> bf16 values of the low and high nibbles."""
+  """Packed codes and their scales (`block_scale`, broadcastable) -> bf16 values of the low and
+  high nibbles: E2M1 x a bf16 power of two (exact), or bf16(E2M1 x a float32 scale)."""
   if decode == "asm":
     return e2m1_pair_asm(codes, jnp.broadcast_to(scale, codes.shape))
   codes = codes.astype(jnp.int32)
-  return e2m1_bf16(codes & 15) * scale, e2m1_bf16(codes >> 4) * scale  # exact: <= 6 bits
+  nibbles = (e2m1_bf16(codes & 15), e2m1_bf16(codes >> 4))
+  if scale.dtype == jnp.float32:
+    return tuple((v.astype(jnp.float32) * scale).astype(jnp.bfloat16) for v in nibbles)
+  return tuple(v * scale for v in nibbles)  # exact: a power of two
 
 
 def _skip_unused(table_ref, run, zeros):
@@ -130,7 +167,7 @@ def _skip_unused(table_ref, run, zeros):
   return jax.lax.cond(pl.program_id(1) < table_ref[pl.num_programs(1)], run, lambda: zeros)
 
 
-def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int,
+def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, global_ref, *refs, fmt: str, block_m: int,
             block_n: int, rows_per_split: int, rows: int, decode: str, k_major: bool = False,
             grouped: bool = False):
   """One [block_m, block_n] output tile over one K split. With `k_major` the weight is stored
@@ -138,12 +175,14 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
   the decoded tile is the matrix instruction's A operand, which Hopper can take from registers,
   instead of a B operand that goes through shared memory; x is then transposed (xe_ref
   [K/2, M]) and the output tile is [block_n, block_m] of y^T. With `grouped` the weight is
-  per expert ([E, K/2, N] codes) and refs[0] holds each M tile's expert."""
+  per expert ([E, K/2, N] codes) and refs[0] holds each M tile's expert. global_ref: NVFP4's
+  float32 global, [1] or per expert [E] (unread for MXFP4)."""
   out_ref = refs[-1]  # before it, the poisoned output buffer when one is passed (aliased)
   n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)  # lets Triton vectorize the loads
   m0 = pl.program_id(1) * block_m
   base = pl.program_id(2) * rows_per_split
   expert = (refs[0][pl.program_id(1)],) if grouped else ()
+  g = global_ref[expert[0] if grouped else 0] if fmt == "nvfp4" else None
 
   def step(i, acc):
     r0 = pl.multiple_of(base + i * rows, rows)
@@ -156,7 +195,7 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
       xe = xe_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
       xo = xo_ref[pl.ds(m0, block_m), pl.ds(r0, rows)]
     scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n,
-                        k_major=k_major, expert=expert)
+                        k_major=k_major, expert=expert, g=g)
     w_even, w_odd = decode_nibbles(codes, scale, decode)
     dot = lambda x, w: jnp.dot(*((w, x) if k_major else (x, w)),
                                preferred_element_type=jnp.float32)
@@ -167,19 +206,20 @@ def _kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, block_m: int
                               lambda: jax.lax.fori_loop(0, rows_per_split // rows, step, acc), acc)
 
 
-def _gemv_kernel(xe_ref, xo_ref, codes_ref, scales_ref, *refs, fmt: str, m: int, block_n: int,
-                 rows_per_split: int, rows: int, decode: str):
+def _gemv_kernel(xe_ref, xo_ref, codes_ref, scales_ref, global_ref, *refs, fmt: str, m: int,
+                 block_n: int, rows_per_split: int, rows: int, decode: str):
   """The few-row variant (M <= 8): no matrix instruction, whose operand layout costs a pass
   through shared memory; each step decodes the tile once and accumulates x * w in float32 per
   element (x transposed: xe_ref [K/2, M]), reducing over K once at the end."""
   out_ref = refs[-1]
   n0 = pl.multiple_of(pl.program_id(0) * block_n, block_n)
   base = pl.program_id(2) * rows_per_split
+  g = global_ref[0] if fmt == "nvfp4" else None
 
   def step(i, accs):
     r0 = pl.multiple_of(base + i * rows, rows)
     codes = codes_ref[pl.ds(r0, rows), pl.ds(n0, block_n)]
-    scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n)
+    scale = _scale_tile(scales_ref, r0, n0, fmt=fmt, rows=rows, block_n=block_n, g=g)
     w_even, w_odd = decode_nibbles(codes, scale, decode)
     w_even, w_odd = w_even.astype(jnp.float32), w_odd.astype(jnp.float32)
     new = []
@@ -249,32 +289,42 @@ def check_decode(decode: str, interpret: bool) -> None:
                      f"{decode!r} with interpret={interpret}")
 
 
+def _globals(global_scale):
+  """NVFP4's global as the kernels read it: float32 [1] or [E]; ones when there is none (MXFP4,
+  whose kernels do not read it)."""
+  if global_scale is None:
+    return jnp.ones((1,), jnp.float32)
+  return jnp.reshape(global_scale, (-1,)).astype(jnp.float32)
+
+
 _FP4_STATIC = ("fmt", "block_m", "block_n", "splits", "rows", "num_warps", "num_stages",
                "interpret", "poison", "decode")
 
 
 @functools.partial(jax.jit, static_argnames=_FP4_STATIC)
-def fp4_matmul_partials(xe, xo, codes, scales, *, fmt: str, block_m: int = 16,
-                        block_n: int = 128, splits: int = 1, rows: int = ROWS,
+def fp4_matmul_partials(xe, xo, codes, scales, global_scale=None, *, fmt: str,
+                        block_m: int = 16, block_n: int = 128, splits: int = 1, rows: int = ROWS,
                         num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
                         poison: bool = False, decode: str = "bits"):
-  """-> float32 [splits, M, N] partial products (M a multiple of block_m). `decode`: "bits"
-  (jnp integer operations, any backend) or "asm" (the PTX pair decode, compiled GPU only)."""
+  """-> float32 [splits, M, N] partial products (M a multiple of block_m). `global_scale`:
+  NVFP4's per-tensor global (one float32), None for MXFP4. `decode`: "bits" (jnp integer
+  operations, any backend) or "asm" (the PTX pair decode, compiled GPU only)."""
   check_decode(decode, interpret)
   m, k2 = xe.shape
   n = codes.shape[1]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode)
-  return _call(kernel, (xe, xo, codes, scales), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+  return _call(kernel, (xe, xo, codes, scales, _globals(global_scale)),
+               jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
                num_stages, interpret, poison)
 
 
 @functools.partial(jax.jit, static_argnames=_FP4_STATIC)
-def fp4_kmajor_partials(xe_t, xo_t, codes_t, scales_t, *, fmt: str, block_m: int = 16,
-                        block_n: int = 64, splits: int = 1, rows: int = 32, num_warps: int = 4,
-                        num_stages: int = 4, interpret: bool = False, poison: bool = False,
-                        decode: str = "bits"):
+def fp4_kmajor_partials(xe_t, xo_t, codes_t, scales_t, global_scale=None, *, fmt: str,
+                        block_m: int = 16, block_n: int = 64, splits: int = 1, rows: int = 32,
+                        num_warps: int = 4, num_stages: int = 4, interpret: bool = False,
+                        poison: bool = False, decode: str = "bits"):
   """K-major weight (codes_t [N, K/2], scales_t [N, K/B]), x transposed (xe_t, xo_t: [K/2, M],
   M a multiple of block_m) -> float32 [splits, N, M] partials of y^T."""
   check_decode(decode, interpret)
@@ -282,34 +332,37 @@ def fp4_kmajor_partials(xe_t, xo_t, codes_t, scales_t, *, fmt: str, block_m: int
   n = codes_t.shape[0]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode, k_major=True)
-  return _call(kernel, (xe_t, xo_t, codes_t, scales_t),
+  return _call(kernel, (xe_t, xo_t, codes_t, scales_t, _globals(global_scale)),
                jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
                (n // block_n, m // block_m, splits), (block_n, block_m), _NM, num_warps,
                num_stages, interpret, poison)
 
 
 @functools.partial(jax.jit, static_argnames=_FP4_STATIC)
-def grouped_fp4_partials(xe, xo, codes, scales, tile_expert, *, fmt: str, block_m: int = 16,
-                         block_n: int = 64, splits: int = 1, rows: int = 32, num_warps: int = 4,
-                         num_stages: int = 4, interpret: bool = False, poison: bool = False,
-                         decode: str = "bits"):
+def grouped_fp4_partials(xe, xo, codes, scales, tile_expert, global_scale=None, *, fmt: str,
+                         block_m: int = 16, block_n: int = 64, splits: int = 1, rows: int = 32,
+                         num_warps: int = 4, num_stages: int = 4, interpret: bool = False,
+                         poison: bool = False, decode: str = "bits"):
   """Per-expert weights (codes [E, K/2, N], scales [E, K/B, N]); x's rows in block_m-row tiles,
   tile t multiplied by expert tile_expert[t] (the table's last entry: the tiles in use; the
-  rest come out zero) -> float32 [splits, M, N] partials."""
+  rest come out zero); NVFP4's global per expert ([E]) or one for all -> float32
+  [splits, M, N] partials."""
   check_decode(decode, interpret)
   m, k2 = xe.shape
   n = codes.shape[-1]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode, grouped=True)
-  return _call(kernel, (xe, xo, codes, scales, tile_expert),
+  g = _globals(global_scale)
+  g = jnp.broadcast_to(g, codes.shape[:1]) if g.shape[0] == 1 else g
+  return _call(kernel, (xe, xo, codes, scales, g, tile_expert),
                jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
                num_stages, interpret, poison)
 
 
 @functools.partial(jax.jit, static_argnames=tuple(a for a in _FP4_STATIC if a != "block_m"))
-def fp4_gemv_partials(xe_t, xo_t, codes, scales, *, fmt: str, block_n: int = 128,
-                      splits: int = 1, rows: int = ROWS, num_warps: int = 4,
+def fp4_gemv_partials(xe_t, xo_t, codes, scales, global_scale=None, *, fmt: str,
+                      block_n: int = 128, splits: int = 1, rows: int = ROWS, num_warps: int = 4,
                       num_stages: int = 3, interpret: bool = False, poison: bool = False,
                       decode: str = "bits"):
   """The few-row kernel: x transposed (xe_t, xo_t: [K/2, M], M <= 8) -> float32 [splits, M, N]."""
@@ -318,7 +371,7 @@ def fp4_gemv_partials(xe_t, xo_t, codes, scales, *, fmt: str, block_n: int = 128
   n = codes.shape[1]
   kernel = functools.partial(_gemv_kernel, fmt=fmt, m=m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode)
-  return _call(kernel, (xe_t, xo_t, codes, scales),
+  return _call(kernel, (xe_t, xo_t, codes, scales, _globals(global_scale)),
                jax.ShapeDtypeStruct((splits, m, n), jnp.float32), (n // block_n, 1, splits),
                (m, block_n), _MN, num_warps, num_stages, interpret, poison)
 

@@ -1,5 +1,6 @@
 """A small interpreter of the few PTX instructions the kernels' inline asm uses, so that CPU tests
-check the asm strings themselves bit for bit (mov, shl, shr, and, or, prmt, fma.rn.bf16x2)."""
+check the asm strings themselves bit for bit (mov, shl, shr, and, or, prmt, fma.rn.bf16x2,
+mul.rn.f32, cvt.rn.bf16x2.f32)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,19 @@ def bf16_bits_to_f32(h: int) -> np.float32:
   return np.array([h << 16], np.uint32).view(np.float32)[0]
 
 
+def f32_bits(f: np.float32) -> int:
+  return int(np.array([f], np.float32).view(np.uint32)[0])
+
+
+def bits_f32(b: int) -> np.float32:
+  return np.array([b], np.uint32).view(np.float32)[0]
+
+
 def f32_to_bf16_bits(f: np.float32) -> int:
-  """Round to nearest even (finite inputs)."""
-  b = int(np.array([f], np.float32).view(np.uint32)[0])
+  """Round to nearest even (subnormals kept, overflow to Inf); NaN gives the canonical NaN."""
+  if np.isnan(f):
+    return 0x7FFF
+  b = f32_bits(f)
   return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
 
 
@@ -56,6 +67,12 @@ def run(asm: str, n_out: int, inputs: list[int]) -> list[int]:
         f = lambda v: np.float64(bf16_bits_to_f32((v >> (16 * h)) & 0xFFFF))
         r |= f32_to_bf16_bits(np.float32(f(x) * f(y) + f(z))) << (16 * h)
       put(a[0], r)
+    elif op == "mul.rn.f32":  # IEEE float32 product, round to nearest even, no flush
+      with np.errstate(all="ignore"):
+        put(a[0], f32_bits(np.float32(bits_f32(get(a[1])) * bits_f32(get(a[2])))))
+    elif op == "cvt.rn.bf16x2.f32":  # the first source to the upper half
+      put(a[0], f32_to_bf16_bits(bits_f32(get(a[1]))) << 16
+          | f32_to_bf16_bits(bits_f32(get(a[2]))))
     else:
       raise ValueError(f"the emulator does not know {op!r}")
   return [values[f"${i}"] for i in range(n_out)]

@@ -8,9 +8,10 @@ import pytest
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
 from pallas_kernels.fp4_matmul import reference
-from pallas_kernels.fp4_matmul.kernel import E2M1_ASM
+from pallas_kernels.fp4_matmul.kernel import E2M1_ASM, E2M1_NV_ASM, block_scale, decode_nibbles
 from tests.pallas_kernels import ptx_emu
-from trace_jax.quant import MXFP4, NVFP4_TENSOR, dequantize, quantize
+from trace_jax.models import layers as L
+from trace_jax.quant import MXFP4, NVFP4, NVFP4_TENSOR, dequantize, quantize
 from trace_jax.quant.codecs import E2M1
 
 FORMATS = [MXFP4, NVFP4_TENSOR]
@@ -28,17 +29,24 @@ def rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+def assert_close(got, want):
+  """A kernel against the reference: the same bf16 weight values and float32 sums in another
+  order, so a bf16 output rounding apart here and there, nothing more (a weight decoded
+  differently, such as NVFP4's global multiplied after the dot, moves ~40% of the outputs)."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert not np.isnan(got).any()
+  assert rel(got, want) < 2e-3
+  assert np.mean(got != want) < 0.05
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_reference_is_the_dequantized_matmul(fmt):
+def test_reference_is_the_rollout_engines_xla_matmul(fmt):
+  """Bit for bit the rollout engine's L.dense(x, dequantize(w)), from the [K, N] weight and from
+  its K-major transpose."""
   x, w = inputs(0, 3, 256, 128, fmt)
-  dense = jnp.dot(x.astype(jnp.float32), dequantize(w))
-  assert rel(reference.fp4_matmul(x, w), dense) < 1e-2  # bf16 output rounding only
-  w_bf16, _ = reference.dequantize_bf16(w)
-  # every block-scaled value is exact in bf16 (NVFP4: E2M1 x E4M3 has at most 6 bits)
-  g = 1.0 if w.global_scale is None else float(w.global_scale.reshape(()))
-  # (E2M1 x s) x g against E2M1 x (s x g): a float32 rounding apart for NVFP4, equal for MXFP4
-  np.testing.assert_allclose(np.asarray(w_bf16, np.float32) * np.float32(g),
-                             np.asarray(dequantize(w)), rtol=3e-7 if g != 1.0 else 0)
+  want = np.asarray(L.dense(x, dequantize(w)), np.float32)
+  for wk in (w, reference.transpose(w)):
+    np.testing.assert_array_equal(np.asarray(reference.fp4_matmul(x, wk), np.float32), want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -48,9 +56,7 @@ def test_kernel_in_interpret_mode(fmt, m, k, n, splits, rows):
   x, w = inputs(m * k, m, k, n, fmt)
   got = fp4_matmul(x, w, implementation="pallas", splits=splits, rows=rows, interpret=True,
                    poison=True)
-  want = fp4_matmul(x, w)
-  assert not np.isnan(np.asarray(got, np.float32)).any()
-  assert rel(got, want) < 2e-3  # bf16 output rounding and the order of the float32 sums
+  assert_close(got, fp4_matmul(x, w))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -61,8 +67,7 @@ def test_gemv_and_dot_variants_in_interpret_mode(fmt, m):
   for variant in ("gemv", "dot"):
     got = fp4_matmul(x, w, implementation="pallas", variant=variant, splits=2, rows=32,
                      interpret=True, poison=True)
-    assert not np.isnan(np.asarray(got, np.float32)).any()
-    assert rel(got, want) < 2e-3, variant
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -75,8 +80,7 @@ def test_kmajor_kernel_in_interpret_mode(fmt, m, splits, rows):
                                 np.asarray(fp4_matmul(x, w), np.float32))
   got = fp4_matmul(x, wt, implementation="pallas", splits=splits, rows=rows, interpret=True,
                    poison=True)
-  assert not np.isnan(np.asarray(got, np.float32)).any()
-  assert rel(got, fp4_matmul(x, w)) < 2e-3
+  assert_close(got, fp4_matmul(x, w))
 
 
 def grouped_inputs(seed, t, k, n, sizes, fmt, per_expert=True):
@@ -94,8 +98,10 @@ def grouped_inputs(seed, t, k, n, sizes, fmt, per_expert=True):
                                             (NVFP4_TENSOR, False)],  # MXFP4 has no global
                          ids=["mxfp4", "nvfp4-per-expert", "nvfp4-one-global"])
 def test_grouped_reference_is_one_matmul_per_expert(fmt, per_expert):
+  """And bit for bit the rollout engine's L.grouped(x, dequantize(w), group_sizes)."""
   x, w, sizes = grouped_inputs(0, 30, 256, 128, [5, 0, 17, 3], fmt, per_expert)
   got = np.asarray(grouped_fp4_matmul(x, w, sizes), np.float32)
+  np.testing.assert_array_equal(got, np.asarray(L.grouped(x, dequantize(w), sizes), np.float32))
   start = 0
   for e, size in enumerate([5, 0, 17, 3]):
     g = w.global_scale
@@ -115,8 +121,7 @@ def test_grouped_kernel_in_interpret_mode(fmt, sizes, t, per_expert):
   x, w, sizes = grouped_inputs(t, t, 256, 128, sizes, fmt, per_expert)
   got = grouped_fp4_matmul(x, w, sizes, implementation="pallas", splits=2, interpret=True,
                            poison=True)
-  assert not np.isnan(np.asarray(got, np.float32)).any()
-  assert rel(got, grouped_fp4_matmul(x, w, sizes)) < 2e-3
+  assert_close(got, grouped_fp4_matmul(x, w, sizes))
   assert not np.asarray(got, np.float32)[int(sizes.sum()):].any()  # rows past the groups
 
 
@@ -178,6 +183,49 @@ def test_decode_asm_bit_for_bit():
         assert np.signbit(ptx_emu.bf16_bits_to_f32(got)) == np.signbit(want) or want != 0
 
 
+def test_nvfp4_decode_asm_bit_for_bit():
+  """The NVFP4 PTX decode, run by the emulator, against the rule bf16(E2M1 x (E4M3 x g)) in
+  IEEE float32 (numpy): every byte under random E4M3 scale bytes (NaN and subnormals among
+  them) and random globals (tiny ones give subnormal scales and products, huge ones overflow
+  bf16). Away from subnormals the jnp decode and the quant core's rule give the same bits;
+  below, XLA's CPU backend flushes float32 subnormals to zero where the asm (like XLA's GPU
+  backend) keeps them: only globals below about 2^-116 (a max |x| below about 2^-105) get
+  there."""
+  rng = np.random.default_rng(1)
+  n = 4096
+  b = np.concatenate([np.arange(256)] * (n // 256)).astype(np.uint8)  # each byte 16 times
+  s = rng.integers(0, 256, n).astype(np.uint8)
+  g = np.exp2(rng.uniform(-126, 8, n)).astype(np.float32)
+  g[:256] = np.exp2(rng.uniform(-126, -115, 256))
+  g[256:512] = np.exp2(rng.uniform(114, 117, 256))
+  s[256:384] = rng.integers(0x78, 0x7F, 128)  # E4M3 256..448: with the largest g, inf in bf16
+  sg = s.view(jnp.float8_e4m3fn).astype(np.float32) * g  # IEEE float32, no flush
+  table = np.asarray(E2M1.decode(jnp.arange(16)), np.float32)
+  with np.errstate(all="ignore"):
+    products = [table[c] * sg for c in (b & 15, b >> 4)]
+  ieee = [p.astype(jnp.bfloat16).view(np.uint16) for p in products]
+  got = [np.zeros(n, np.uint16), np.zeros(n, np.uint16)]
+  for i in range(0, n, 4):
+    ins = [int(b[i:i + 4].view(np.uint32)[0])] + [int(v) for v in sg[i:i + 4].view(np.uint32)]
+    for nibble, out in zip(("lo", "hi"), got):
+      pair01, pair23 = ptx_emu.run(E2M1_NV_ASM[nibble], 2, ins)
+      out[i:i + 4] = [pair01 & 0xFFFF, pair01 >> 16, pair23 & 0xFFFF, pair23 >> 16]
+  jnp_sg = block_scale(jnp.asarray(s), "nvfp4", jnp.asarray(g))
+  bits = [np.asarray(v).view(np.uint16) for v in decode_nibbles(jnp.asarray(b), jnp_sg, "bits")]
+  xla = [np.asarray(  # the quant core's rule on n blocks of one value
+      NVFP4.from_grid(E2M1.decode(jnp.asarray(c))[:, None], jnp.asarray(s), jnp.asarray(g))
+      [:, 0].astype(jnp.bfloat16)).view(np.uint16) for c in (b & 15, b >> 4)]
+  tiny = np.finfo(np.float32).tiny
+  for product, want, asm, jnp_bits, xla_bits in zip(products, ieee, got, bits, xla):
+    nan = (want & 0x7FFF) > 0x7F80
+    np.testing.assert_array_equal((asm & 0x7FFF) > 0x7F80, nan)
+    np.testing.assert_array_equal(asm[~nan], want[~nan])
+    normal = ~nan & (np.abs(sg) >= tiny) & ((product == 0) | (np.abs(product) >= tiny))
+    np.testing.assert_array_equal(jnp_bits[normal], want[normal])
+    np.testing.assert_array_equal(xla_bits[normal], want[normal])
+    assert nan.any() and (~normal & ~nan).any() and ((want[~nan] & 0x7FFF) == 0x7F80).any()
+
+
 def test_bf16_kernel_in_interpret_mode():
   x = jax.random.normal(jax.random.PRNGKey(1), (7, 256), jnp.bfloat16)
   w = jax.random.normal(jax.random.PRNGKey(2), (256, 128), jnp.bfloat16)
@@ -222,8 +270,7 @@ def test_kernel_on_gpu(fmt, m, variant, k, n, decode):
         outs.append(fp4_matmul(x, reference.transpose(w), implementation="pallas", rows=rows,
                                decode=decode, poison=True))
       for got in outs:
-        assert not np.isnan(np.asarray(got, np.float32)).any()
-        assert rel(got, fp4_matmul(x, w)) < 2e-3
+        assert_close(got, fp4_matmul(x, w))
   w16 = w.codes.astype(jnp.bfloat16)[:k // 2].repeat(2, 0)  # (the bf16 twin, same inputs)
   got = bf16_matmul(x, w16, implementation="pallas", poison=True)
   assert not np.isnan(np.asarray(got, np.float32)).any()
@@ -239,9 +286,8 @@ def test_grouped_kernel_on_gpu(fmt, sizes):
     x, w, group_sizes = grouped_inputs(seed * 31 + t, t, 2048, 768, sizes, fmt)
     for rows in (16, 32):
       got = grouped_fp4_matmul(x, w, group_sizes, implementation="pallas", rows=rows,
-                               poison=True)
-      assert not np.isnan(np.asarray(got, np.float32)).any()
-      assert rel(got, grouped_fp4_matmul(x, w, group_sizes)) < 2e-3
+                               poison=True)  # the default decode on a GPU: "asm"
+      assert_close(got, grouped_fp4_matmul(x, w, group_sizes))
 
 
 @pytest.mark.gpu

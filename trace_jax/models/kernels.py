@@ -1,11 +1,11 @@
 """The rollout engine's kernel switch: its projections, expert matmuls and one-token attention
 computed by XLA ("xla") or by the Pallas kernels of `pallas_kernels` ("pallas").
 
-Both compute the same numbers up to the order of float32 sums (and, for NVFP4, where the global
-scale multiplies: the kernels apply it to the float32 result, XLA to each dequantized value
-before rounding it to bf16). The kernels take MXFP4 and NVFP4 weights and caches, and bf16
-ones (the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the same
-design); other formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA. On a
+Both compute the same numbers up to the order of float32 sums: the kernels decode each FP4
+value to the bf16 that XLA's dequantization gives (NVFP4's global folded into each block scale
+in float32 before the rounding to bf16). The kernels take MXFP4 and NVFP4 weights and caches,
+and bf16 ones (the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the
+same design); other formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA. On a
 backend other than GPU the kernels run in Pallas' interpret mode: slow, for tests.
 """
 
