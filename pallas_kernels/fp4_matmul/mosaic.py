@@ -154,9 +154,9 @@ def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
                      f"{codes.shape} for K/2 = {k2}), M ({m}) a multiple of 16 up to 256 and "
                      f"K/2 divisible by block_k2 ({block_k2}, a multiple of {CHUNK}) x splits "
                      f"({splits})")
-  body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2,
-                           steps=k2 // block_k2 // splits,
-                           max_concurrent_steps=max_concurrent_steps)
+  steps = k2 // block_k2 // splits
+  body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
+                           max_concurrent_steps=min(max_concurrent_steps, steps))
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
       grid=(n // 64, splits), grid_names=("n", "s"),
@@ -201,9 +201,9 @@ def bf16_wgmma_partials(x_t, w_t, *, block_n: int = 64, block_k: int = 128, spli
     raise ValueError(f"the wgmma kernel needs M ({m}) a multiple of 16 up to 256, N ({n}) "
                      f"divisible by block_n ({block_n}, a multiple of 64) and K ({k}) by "
                      f"block_k ({block_k}, a multiple of 64) x splits ({splits})")
-  body = functools.partial(_bf16_body, block_n=block_n, block_k=block_k,
-                           steps=k // block_k // splits,
-                           max_concurrent_steps=max_concurrent_steps)
+  steps = k // block_k // splits  # no more copies in flight than steps
+  body = functools.partial(_bf16_body, block_n=block_n, block_k=block_k, steps=steps,
+                           max_concurrent_steps=min(max_concurrent_steps, steps))
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
       grid=(n // block_n, splits), grid_names=("n", "s"),

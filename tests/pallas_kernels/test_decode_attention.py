@@ -124,11 +124,12 @@ def test_kernel_tiling_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
-@pytest.mark.parametrize("b,s,block_s,decode", [(1, 512, 64, "asm"), (16, 2048, 64, "asm"),
-                                                (5, 4096, 128, "asm"), (4, 1024, 64, "bits")])
-def test_compiled_kernel_on_gpu(fmt, b, s, block_s, decode):
+@pytest.mark.parametrize("b,s,block_s,decode,g,dh", [
+    (1, 512, 64, "asm", 8, 128), (16, 2048, 64, "asm", 8, 128), (5, 4096, 128, "asm", 8, 128),
+    (4, 1024, 64, "bits", 8, 128), (3, 1024, 64, "asm", 20, 64)])  # 20: rows padded to 32
+def test_compiled_kernel_on_gpu(fmt, b, s, block_s, decode, g, dh):
   # qwen3_30b_a3b attention: 32 query heads on 4 kv heads, head_dim 128; fresh inputs each shape
-  q, k, v, mask = inputs(b * s, b, s, 4, 8, 128, fmt,
+  q, k, v, mask = inputs(b * s, b, s, 4, g, dh, fmt,
                          lengths=[s - 37 * i for i in range(b)])
   got = decode_attention(q, k, v, mask, implementation="pallas", block_s=block_s,
                          decode=decode, poison=True)
