@@ -34,15 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.fp4_matmul.kernel import e2m1_bf16, e4m3_f32
+
 CHUNK = 32  # packed columns decoded at a time: 64 K values, two MXFP4 blocks, four NVFP4
-
-
-def _e2m1(codes16):
-  """uint16 nibbles (0..15) -> their E2M1 values in bf16, by building the bits (see
-  `kernel.e2m1_bf16`)."""
-  m = codes16 & 7
-  bits = jnp.where(m > 1, (m << 6) + 0x3F00, m * 0x3F00) | ((codes16 & 8) << 12)
-  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
 def _scale_row(s_u8, fmt, g):
@@ -50,15 +44,15 @@ def _scale_row(s_u8, fmt, g):
   NVFP4: float32 E4M3(s) x g, the factor XLA's dequantization multiplies each value by."""
   if fmt == "mxfp4":
     return jax.lax.bitcast_convert_type(s_u8.astype(jnp.uint16) << 7, jnp.bfloat16)
-  return jax.lax.bitcast_convert_type(s_u8, jnp.float8_e4m3fn).astype(jnp.float32) * g
+  return e4m3_f32(s_u8) * g
 
 
 def _decode(codes16, scale, fmt):
-  """Nibbles and their scale tile -> bf16 values: E2M1 x 2^e exactly (MXFP4), or
+  """uint16 nibbles and their scale tile -> bf16 values: E2M1 x 2^e exactly (MXFP4), or
   bf16(E2M1 x (E4M3 x g)) rounded once from float32 (NVFP4, as XLA dequantizes)."""
   if fmt == "mxfp4":
-    return _e2m1(codes16) * scale
-  return (_e2m1(codes16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    return e2m1_bf16(codes16) * scale
+  return (e2m1_bf16(codes16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
 def _load(ref, layout, optimized=True):
