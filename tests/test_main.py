@@ -58,7 +58,10 @@ def comparable(rows):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-@pytest.mark.parametrize("mode", MODES)
+# trace_all is trace with records at every layer (tests/rl/test_rollout.py checks those): the
+# default run leaves its 30 s to the slow selection
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "trace_all"
+                                  else m for m in MODES])
 def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
   c = smoke(data_dir, mode, "rl.routing_replay=true", "rl.correction=tis")
   summary = train(c, str(tmp_path), progress=False, log=lambda *_: None)
@@ -165,9 +168,10 @@ def test_bad_config_fails_before_any_work(data_dir, tmp_path):
 
 
 def test_resuming_with_another_config_is_refused(data_dir, tmp_path):
-  train(smoke(data_dir), str(tmp_path), progress=False, log=lambda *_: None)
+  short = ("sft.steps=1", "rl.steps=1", "eval.every=100")  # a checkpoint is all this needs
+  train(smoke(data_dir, *short), str(tmp_path), progress=False, log=lambda *_: None)
   with pytest.raises(ValueError, match=r"different config \(keys \['rl.lr'\]\)"):
-    train(smoke(data_dir, "rl.lr=0.5"), str(tmp_path), progress=False)
+    train(smoke(data_dir, *short, "rl.lr=0.5"), str(tmp_path), progress=False)
 
 
 def test_a_config_saved_before_a_key_existed_loads_with_its_default(data_dir):
