@@ -55,13 +55,13 @@ def _decode(codes16, scale, fmt):
   return (e2m1_bf16(codes16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
-def _load(ref, layout, optimized=True):
+def _load(ref, layout):
   """plgpu.load of a whole (already indexed) ref: jax 0.10 takes the index as an argument,
   later versions take it from the ref alone."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-    return plgpu.load(ref, (), layout=layout, optimized=optimized)
-  return plgpu.load(ref, layout=layout, optimized=optimized)
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
 
 
 def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, out_gmem, *, fmt, block_n, block_k2,
