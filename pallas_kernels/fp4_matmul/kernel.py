@@ -36,9 +36,10 @@ DECODES = ("bits", "asm")
 
 
 def e2m1_bf16(codes):
-  """4-bit E2M1 codes (int32) -> bf16 by building the bits: E2M1's exponent and mantissa sit
-  next to each other, so for magnitude codes m >= 2 the bf16 pattern is 0x3F00 + (m << 6);
-  m = 1 is 0.5 (0x3F00) and m = 0 is zero. A few integer operations, no table, no float math."""
+  """4-bit E2M1 codes (int32, or uint16 as the Mosaic kernel has them) -> bf16 by building the
+  bits: E2M1's exponent and mantissa sit next to each other, so for magnitude codes m >= 2 the
+  bf16 pattern is 0x3F00 + (m << 6); m = 1 is 0.5 (0x3F00) and m = 0 is zero. A few integer
+  operations, no table, no float math."""
   m = codes & 7
   bits = jnp.where(m > 1, (m << 6) + 0x3F00, m * 0x3F00) | ((codes & 8) << 12)
   return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)

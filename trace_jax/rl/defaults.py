@@ -52,8 +52,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.minibatches = 2
   c.rl.routing_replay = False
   # the rollout engine's matmuls and decode attention: xla | pallas (the Pallas kernels; GPU,
-  # interpret mode elsewhere; MXFP4 and bf16 compute what XLA does up to the order of float32
-  # sums, NVFP4 differs where its global scale multiplies: trace_jax.models.kernels)
+  # interpret mode elsewhere; MXFP4, NVFP4 and bf16 compute what XLA does up to the order of
+  # float32 sums: trace_jax.models.kernels)
   c.rl.kernels = "xla"
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
