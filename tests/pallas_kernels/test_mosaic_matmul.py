@@ -46,6 +46,9 @@ def test_tile_weight_names_what_is_wrong():
     mosaic.tile_weight(kmajor_weight(0, 256, 96, MXFP4))
   with pytest.raises(ValueError, match="features"):
     mosaic.fp4_matmul(jnp.zeros((2, 128), jnp.bfloat16), mosaic.tile_weight(w), fmt="mxfp4")
+  with pytest.raises(ValueError, match="the other format"):  # MXFP4 tiles read as NVFP4
+    mosaic.fp4_matmul(jnp.zeros((2, 256), jnp.bfloat16), mosaic.tile_weight(w), fmt="nvfp4",
+                      block_k2=128)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
