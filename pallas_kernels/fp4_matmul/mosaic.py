@@ -237,14 +237,16 @@ def tile_weight(w) -> dict:
   return {"codes": codes, "scales": scales, "global_scale": g}
 
 
-def fp4_matmul(x: jax.Array, w: dict, *, fmt: str, block_k2: int = 256,
-               splits: int | None = None, max_concurrent_steps: int = 2) -> jax.Array:
+def fp4_matmul(x: jax.Array, w: dict, *, fmt: str, block_k2: int = 128,
+               splits: int | None = None, max_concurrent_steps: int = 4) -> jax.Array:
   """x [..., K] @ W -> [..., N] bf16 for a weight in `tile_weight`'s layout, by the wgmma
   kernel (compiled Hopper only). fmt: "mxfp4" or "nvfp4"."""
   n, k = w["codes"].shape[0] * 64, w["codes"].shape[1] * 2 * CHUNK
   x2, m, lead = _tokens(x)
   if x2.shape[1] != k:
     raise ValueError(f"x has {x2.shape[1]} features, the weight expects {k}")
+  if (k // 2) % block_k2:
+    raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
   splits = splits or _splits(n // 64, (k // 2) // block_k2)
   partials = fp4_wgmma_partials(x2[:, 0::2].T, x2[:, 1::2].T, w["codes"], w["scales"],
                                 w["global_scale"], fmt=fmt, block_k2=block_k2, splits=splits,
