@@ -57,7 +57,7 @@ def e2m1_bf16(codes):
 # XLA's rounding; about 5.5 operations per element. One asm per nibble: jax lowers single-result
 # asm.
 _PAIR = """
-  prmt.b32 d, $2, z, {sel};
+  prmt.b32 d, {codes}, z, {sel};
   {sign}
   and.b32 u, u, 0x80008000;
   shr.b32 t, d, {shift};
@@ -75,22 +75,29 @@ _SCALE_F32 = """  shl.b32 f0, u, 16;
 """
 
 
-def _e2m1_asm(nibble: str, f32_scales: bool) -> str:
-  """$0, $1: the bf16 pairs of bytes 0-1 and 2-3; $2: the codes; then the scales: $3, $4 (bf16
-  pairs) or $3..$6 (float32, one an element)."""
+def _e2m1_asm(nibble: str, f32_scales: bool, pairs: int = 2) -> str:
+  """The decode of `pairs` bf16 pairs (2: Triton's four codes bytes, 1: one 16-bit pair of
+  codes bytes). Operands: the outputs $0.. (one a pair), then the codes, then the scales: one
+  bf16 pair or two float32 a pair."""
   sign, shift = ("shl.b32 u, d, 4;", 2) if nibble == "lo" else ("mov.b32 u, d;", 6)
   scale = _SCALE_F32 if f32_scales else _SCALE_BF16
-  scales = (("$3", "$4"), ("$5", "$6")) if f32_scales else (("$3",), ("$4",))
-  pair = lambda sel, out, s: (_PAIR.format(sel=sel, sign=sign, shift=shift)
-                              + scale.format(out=out, s=s))
+  per = 2 if f32_scales else 1
+  codes = f"${pairs}"
+  body = ""
+  for p, sel in enumerate(("0x1404", "0x3424")[:pairs]):
+    s = tuple(f"${pairs + 1 + per * p + i}" for i in range(per))
+    body += (_PAIR.format(codes=codes, sel=sel, sign=sign, shift=shift)
+             + scale.format(out=f"${p}", s=s))
   regs = "d, t, u, z, bias, nz" + (", f0, f1" if f32_scales else "")
   return ("{\n .reg .b32 " + regs + ";\n mov.b32 z, 0;\n mov.b32 bias, 0x7E807E80;\n"
-          " mov.b32 nz, 0x80008000;\n"
-          + pair("0x1404", "$0", scales[0]) + pair("0x3424", "$1", scales[1]) + "}")
+          " mov.b32 nz, 0x80008000;\n" + body + "}")
 
 
 E2M1_ASM = {"lo": _e2m1_asm("lo", False), "hi": _e2m1_asm("hi", False)}
 E2M1_NV_ASM = {"lo": _e2m1_asm("lo", True), "hi": _e2m1_asm("hi", True)}
+# One pair of codes bytes (16 bits) an instance: the Mosaic kernel's registers (`mosaic.py`).
+E2M1_PAIR_ASM = {"lo": _e2m1_asm("lo", False, 1), "hi": _e2m1_asm("hi", False, 1)}
+E2M1_NV_PAIR_ASM = {"lo": _e2m1_asm("lo", True, 1), "hi": _e2m1_asm("hi", True, 1)}
 
 
 def e2m1_pair_asm(codes_u8, scale):

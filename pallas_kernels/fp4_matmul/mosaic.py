@@ -34,7 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.fp4_matmul.kernel import e2m1_bf16, e4m3_f32
+import numpy as np
+
+from pallas_kernels.fp4_matmul.kernel import (E2M1_NV_PAIR_ASM, E2M1_PAIR_ASM, e2m1_bf16,
+                                              e4m3_f32)
 
 CHUNK = 32  # packed columns decoded at a time: 64 K values, two MXFP4 blocks, four NVFP4
 
@@ -55,6 +58,53 @@ def _decode(codes16, scale, fmt):
   return (e2m1_bf16(codes16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
+def _decode_asm(codes, rows, fmt):
+  """uint8 codes [64, CHUNK] in the A operand's layout and the scale rows of their blocks
+  ([64] each, `_scale_row`) -> the bf16 values of the low and of the high nibbles, by the PTX
+  of the Triton kernels (`kernel.E2M1_PAIR_ASM`: ~3.75 instructions a value, exact). Each
+  register holds two codes bytes of one row; which block's scale it takes is fixed by its
+  place in the layout (WGMMA: [64, 8]-column tiles, rows r and r + 8 a thread), so no select."""
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, llvm
+
+  wgmma = plgpu.Layout.WGMMA
+  out = plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, wgmma)
+  cols_per_block = (16 if fmt == "mxfp4" else 8) // 8  # [64, 8] column tiles a block
+
+  @plgpu.inline_mgpu(arg_types=(wgmma, tuple(wgmma.reduce(1) for _ in rows)),
+                     return_type=(out, out))
+  def decode(_, codes, rows):
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    # rows' registers: [rows r, r + 8] of the thread, one value each
+    scale_regs = [[mgpu_utils.bitcast(r, i16 if fmt == "mxfp4" else i32)
+                   for r in row.registers.flat] for row in rows]
+    if fmt == "mxfp4":  # the bf16 scale in both halves of a pair
+      scale_regs = [[arith.ori(arith.extui(i32, r), arith.shli(arith.extui(i32, r),
+                                                               mgpu_utils.c(16, i32)))
+                     for r in regs] for regs in scale_regs]
+    asm, constraints = ((E2M1_PAIR_ASM, "=r,r,r") if fmt == "mxfp4"
+                        else (E2M1_NV_PAIR_ASM, "=r,r,r,r"))
+    halves = []
+    for nibble in ("lo", "hi"):
+      regs = np.empty_like(codes.registers)
+      for idx, reg in np.ndenumerate(codes.registers):
+        col_tile, row_half = idx[1], idx[4]  # registers_shape (1, C/8, 1, 1, 2, 1, 1, 1, 1)
+        s = scale_regs[col_tile // cols_per_block][row_half]
+        code = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
+        operands = [code, s] if fmt == "mxfp4" else [code, s, s]
+        regs[idx] = mgpu_utils.bitcast(
+            llvm.inline_asm(i32, operands, asm[nibble], constraints), pair)
+      halves.append(mgpu.FragmentedArray(_registers=regs, _layout=codes.layout,
+                                         _is_signed=None))
+    return tuple(halves)
+
+  return decode(codes, tuple(rows))
+
+
 def _load(ref, layout):
   """plgpu.load of a whole (already indexed) ref: jax 0.10 takes the index as an argument,
   later versions take it from the ref alone."""
@@ -65,7 +115,7 @@ def _load(ref, layout):
 
 
 def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, out_gmem, *, fmt, block_n, block_k2,
-          steps, max_concurrent_steps):
+          steps, max_concurrent_steps, decode):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
   m = xe_gmem.shape[1]
@@ -89,10 +139,17 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, out_gmem, *, fmt, b
   def step(_, xe_smem, xo_smem, codes_smem, scales_smem, acc_ref):
     for j in range(block_k2 // CHUNK):
       cols = pl.ds(j * CHUNK, CHUNK)
-      codes = _load(codes_smem.at[0, j], wgmma).astype(jnp.uint16)
-      scale = scale_tile(scales_smem, j, codes.shape)
-      lo = plgpu.layout_cast(_decode(codes & 15, scale, fmt), wgmma)
-      hi = plgpu.layout_cast(_decode(codes >> 4, scale, fmt), wgmma)
+      codes = _load(codes_smem.at[0, j], wgmma)
+      if decode == "asm":
+        per = CHUNK // per_scale
+        rows = [plgpu.layout_cast(_scale_row(_load(scales_smem.at[0, j * per + b], row_l), fmt,
+                                             g), row_l) for b in range(per)]
+        lo, hi = _decode_asm(codes, rows, fmt)
+      else:
+        codes = codes.astype(jnp.uint16)
+        scale = scale_tile(scales_smem, j, codes.shape)
+        lo = plgpu.layout_cast(_decode(codes & 15, scale, fmt), wgmma)
+        hi = plgpu.layout_cast(_decode(codes >> 4, scale, fmt), wgmma)
       plgpu.wgmma(acc_ref, lo, xe_smem.at[cols])
       plgpu.wgmma(acc_ref, hi, xo_smem.at[cols])
     plgpu.wgmma_wait(0)
@@ -131,17 +188,21 @@ def _store(acc, out_gmem, si, ni, block_n):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
-                                             "max_concurrent_steps"))
+                                             "max_concurrent_steps", "decode"))
 def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
-                       block_k2: int = 256, splits: int = 1, max_concurrent_steps: int = 4):
+                       block_k2: int = 256, splits: int = 1, max_concurrent_steps: int = 4,
+                       decode: str = "asm"):
   """x's even and odd K columns transposed (xe_t, xo_t: [K/2, M], M a multiple of 16), a weight
   in the tiled layout of `tile_weight` (codes [N/64, K/64, 64, 32], scales [N/64, K/block, 64]),
-  NVFP4's float32 global [1] (ignored for MXFP4) -> float32 [splits, N, M] partials of y^T."""
+  NVFP4's float32 global [1] (ignored for MXFP4) -> float32 [splits, N, M] partials of y^T.
+  decode: "asm" (the PTX of `_decode_asm`) or "jnp" (integer operations and a select chain)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   k2, m = xe_t.shape
   n = codes.shape[0] * 64
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+  if decode not in ("asm", "jnp"):
+    raise ValueError(f"decode must be 'asm' or 'jnp', got {decode!r}")
   if codes.shape[1:] != (k2 // CHUNK, 64, CHUNK) or m % 16 or m > 256 \
       or k2 % (block_k2 * splits) or block_k2 % CHUNK:
     raise ValueError(f"the wgmma kernel needs tiled codes [N/64, K/64, 64, 32] (got "
@@ -154,7 +215,7 @@ def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
                      f"{scales.shape}: a weight of the other format, or not from tile_weight")
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
-                           max_concurrent_steps=min(max_concurrent_steps, steps))
+                           max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode)
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
       grid=(n // 64, splits), grid_names=("n", "s"),
@@ -238,9 +299,10 @@ def tile_weight(w) -> dict:
 
 
 def fp4_matmul(x: jax.Array, w: dict, *, fmt: str, block_k2: int = 128,
-               splits: int | None = None, max_concurrent_steps: int = 4) -> jax.Array:
+               splits: int | None = None, max_concurrent_steps: int = 4,
+               decode: str = "asm") -> jax.Array:
   """x [..., K] @ W -> [..., N] bf16 for a weight in `tile_weight`'s layout, by the wgmma
-  kernel (compiled Hopper only). fmt: "mxfp4" or "nvfp4"."""
+  kernel (compiled Hopper only). fmt: "mxfp4" or "nvfp4"; decode: "asm" or "jnp"."""
   n, k = w["codes"].shape[0] * 64, w["codes"].shape[1] * 2 * CHUNK
   x2, m, lead = _tokens(x)
   if x2.shape[1] != k:
@@ -250,7 +312,7 @@ def fp4_matmul(x: jax.Array, w: dict, *, fmt: str, block_k2: int = 128,
   splits = splits or _splits(n // 64, (k // 2) // block_k2)
   partials = fp4_wgmma_partials(x2[:, 0::2].T, x2[:, 1::2].T, w["codes"], w["scales"],
                                 w["global_scale"], fmt=fmt, block_k2=block_k2, splits=splits,
-                                max_concurrent_steps=max_concurrent_steps)
+                                max_concurrent_steps=max_concurrent_steps, decode=decode)
   y = jnp.sum(partials, axis=0).T[:m]
   return y.astype(jnp.bfloat16).reshape(*lead, n)
 

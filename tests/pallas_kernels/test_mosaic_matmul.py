@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp4_matmul import mosaic, reference
+from pallas_kernels.fp4_matmul import kernel, mosaic, reference
+from tests.pallas_kernels import ptx_emu
 from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
 
 FORMATS = [MXFP4, NVFP4_TENSOR]
@@ -51,13 +52,35 @@ def test_tile_weight_names_what_is_wrong():
                       block_k2=128)
 
 
+def test_pair_asm_is_the_triton_decode_of_two_bytes():
+  """The Mosaic kernel's one-pair PTX (`E2M1_PAIR_ASM`, emulated) gives the bits of the four-byte
+  one the Triton kernels run (checked bit for bit in test_fp4_matmul) for codes bytes 0 and 1."""
+  rng = np.random.default_rng(2)
+  with np.errstate(over="ignore", invalid="ignore"):  # random scale bits: Inf, NaN products
+    for _ in range(300):
+      q = int(rng.integers(0, 1 << 16))
+      bf = [int(v) for v in rng.integers(0, 1 << 16, 2)]
+      f32 = [int(v) for v in rng.integers(0, 1 << 32, 2, dtype=np.uint64)]
+      for nibble in ("lo", "hi"):
+        pair_bf = ptx_emu.run(kernel.E2M1_PAIR_ASM[nibble], 1, [q, bf[0] | bf[0] << 16])
+        four_bf = ptx_emu.run(kernel.E2M1_ASM[nibble], 2, [q, bf[0] | bf[0] << 16, bf[1]])
+        assert pair_bf[0] == four_bf[0]
+        pair_nv = ptx_emu.run(kernel.E2M1_NV_PAIR_ASM[nibble], 1, [q, f32[0], f32[1]])
+        four_nv = ptx_emu.run(kernel.E2M1_NV_ASM[nibble], 2, [q, *f32, 0, 0])
+        assert pair_nv[0] == four_nv[0]
+
+
+@pytest.mark.parametrize("decode", ["asm", "jnp"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_kernels_lower_for_cuda(fmt):
+def test_kernels_lower_for_cuda(fmt, decode):
   """The whole Mosaic lowering (layout inference included) for a CUDA target, from CPU."""
   w = jax.eval_shape(lambda: mosaic.tile_weight(kmajor_weight(0, 512, 128, fmt)))
   x = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16)
-  f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, fmt=fmt.name[:5], block_k2=128))
+  f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, fmt=fmt.name[:5], block_k2=128,
+                                             decode=decode))
   assert jax.export.export(f, platforms=["cuda"])(x, w).mlir_module()
+  if decode == "jnp":
+    return
   if fmt is MXFP4:
     g = jax.jit(lambda x, w: mosaic.bf16_matmul(x, w, block_k=128))
     wt = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
@@ -65,16 +88,17 @@ def test_kernels_lower_for_cuda(fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode", ["asm", "jnp"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,k,n,block_k2", [(1, 4096, 1024, 256), (16, 2048, 768, 128),
                                             (40, 768, 2048, 64)])
-def test_fp4_kernel_on_gpu(fmt, m, k, n, block_k2):
+def test_fp4_kernel_on_gpu(fmt, m, k, n, block_k2, decode):
   """Compiled: the same bf16 weight values as the reference (XLA's dequantization), float32
   sums in another order."""
   w = kmajor_weight(m + k, k, n, fmt)
   x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
   got = np.asarray(mosaic.fp4_matmul(x, mosaic.tile_weight(w), fmt=fmt.name[:5],
-                                     block_k2=block_k2), np.float32)
+                                     block_k2=block_k2, decode=decode), np.float32)
   want = np.asarray(reference.fp4_matmul(x, w), np.float32)
   assert not np.isnan(got).any()
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
