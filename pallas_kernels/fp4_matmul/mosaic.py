@@ -114,16 +114,28 @@ def _load(ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
-def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, out_gmem, *, fmt, block_n, block_k2,
-          steps, max_concurrent_steps, decode):
+def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n, block_k2,
+          steps, max_concurrent_steps, decode, tile_m=None):
+  """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
+  one [64, tile_m] tile of the grouped product: token tile t of x times expert tile_expert[t]'s
+  weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
+  tiles past the table's last entry (the tiles in use) do nothing."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  *table, out_gmem = rest
   ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
-  m = xe_gmem.shape[1]
+  ti = jax.lax.axis_index("t") if table else 0
+  m = tile_m or xe_gmem.shape[1]
   per_scale = 16 if fmt == "mxfp4" else 8  # packed columns per scale
   wgmma = plgpu.Layout.WGMMA
   row_l = wgmma.reduce(1)  # a [64] vector, one value per row of the A operand
 
-  g = g_gmem[0] if fmt == "nvfp4" else None
+  wi = ni  # the weight's row tile; grouped weights are [E x N/64, ...], expert-major
+  if table:
+    expert = table[0][ti]
+    wi = expert * jax.lax.axis_size("n") + ni
+    g = g_gmem[expert] if fmt == "nvfp4" else None
+  else:
+    g = g_gmem[0] if fmt == "nvfp4" else None
 
   def scale_tile(scales_smem, j, shape):
     """The scale of every element of chunk j's [64, CHUNK] codes, in the A layout."""
@@ -163,27 +175,35 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, out_gmem, *, fmt, b
         functools.partial(step, acc_ref=acc_ref),
         grid=(steps,),
         in_specs=[
-            plgpu.BlockSpec((block_k2, m), lambda k: (k0 + k, 0)),
-            plgpu.BlockSpec((block_k2, m), lambda k: (k0 + k, 0)),
-            plgpu.BlockSpec((1, chunks, 64, CHUNK), lambda k: (ni, k0 + k, 0, 0)),
-            plgpu.BlockSpec((1, scale_cols, 64), lambda k: (ni, k0 + k, 0)),
+            plgpu.BlockSpec((block_k2, m), lambda k: (k0 + k, ti)),
+            plgpu.BlockSpec((block_k2, m), lambda k: (k0 + k, ti)),
+            plgpu.BlockSpec((1, chunks, 64, CHUNK), lambda k: (wi, k0 + k, 0, 0)),
+            plgpu.BlockSpec((1, scale_cols, 64), lambda k: (wi, k0 + k, 0)),
         ],
         max_concurrent_steps=max_concurrent_steps,
     )(xe_gmem, xo_gmem, codes_gmem, scales_gmem)
     return acc_ref[...]
 
-  _store(pl.run_scoped(acc_scope, plgpu.ACC((block_n, m))), out_gmem, si, ni, block_n)
+  def tile():
+    _store(pl.run_scoped(acc_scope, plgpu.ACC((block_n, m))), out_gmem, si, ni, block_n,
+           cols=pl.ds(ti * m, m) if table else slice(None))
+
+  if table:
+    pl.when(ti < table[0][table[0].shape[0] - 1])(tile)
+  else:
+    tile()
 
 
-def _store(acc, out_gmem, si, ni, block_n):
-  """The accumulator tile [block_n, M] -> out_gmem[si, ni-th block_n rows], via shared memory."""
+def _store(acc, out_gmem, si, ni, block_n, cols=slice(None)):
+  """The accumulator tile [block_n, M] -> out_gmem[si, ni-th block_n rows, cols], via shared
+  memory."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(acc.shape, jnp.float32))
   def _(o_smem):
     o_smem[...] = acc
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * block_n, block_n)])
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * block_n, block_n), cols])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -222,6 +242,43 @@ def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(xe_t, xo_t, codes, scales, jnp.reshape(global_scale, (1,)).astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
+                                             "max_concurrent_steps", "decode"))
+def grouped_fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, tile_expert, *,
+                               fmt: str, block_k2: int = 128, splits: int = 1,
+                               max_concurrent_steps: int = 4, decode: str = "asm"):
+  """The grouped form of `fp4_wgmma_partials`: x's columns in 16-token tiles (xe_t, xo_t
+  [K/2, 16 x tiles]), per-expert tiled weights (codes [E, N/64, K/64, 64, 32], scales
+  [E, N/64, K/block, 64], globals [E]), tile_expert [tiles + 1] (each tile's expert, then the
+  tiles in use) -> float32 [splits, N, 16 x tiles] partials of y^T; the columns of unused tiles
+  are left unwritten."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  k2, r = xe_t.shape
+  e, n = codes.shape[0], codes.shape[1] * 64
+  if fmt not in ("mxfp4", "nvfp4") or decode not in ("asm", "jnp"):
+    raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4' and decode 'asm' or 'jnp', got {fmt!r}, "
+                     f"{decode!r}")
+  want = (e, n // 64, k2 // (16 if fmt == "mxfp4" else 8), 64)
+  if (codes.shape[2:] != (k2 // CHUNK, 64, CHUNK) or scales.shape != want or r % 16
+      or tile_expert.shape != (r // 16 + 1,) or k2 % (block_k2 * splits) or block_k2 % CHUNK):
+    raise ValueError(f"the grouped wgmma kernel needs tiled {fmt} codes [E, N/64, K/64, 64, 32] "
+                     f"and scales {want} (got {codes.shape}, {scales.shape} for K/2 = {k2}), "
+                     f"x in 16-token tiles with one table entry a tile and one more (got {r} "
+                     f"columns, {tile_expert.shape} entries), K/2 divisible by block_k2 "
+                     f"({block_k2}, a multiple of {CHUNK}) x splits ({splits})")
+  steps = k2 // block_k2 // splits
+  body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
+                           max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
+                           tile_m=16)
+  return plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((splits, n, r), jnp.float32),
+      grid=(n // 64, r // 16, splits), grid_names=("n", "t", "s"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(xe_t, xo_t, codes.reshape(-1, *codes.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
+    jnp.reshape(global_scale, (e,)).astype(jnp.float32), tile_expert.astype(jnp.int32))
 
 
 def _bf16_body(x_gmem, w_gmem, out_gmem, *, block_n, block_k, steps, max_concurrent_steps):
@@ -296,6 +353,48 @@ def tile_weight(w) -> dict:
   scales = w.scales.reshape(n // 64, 64, -1).transpose(0, 2, 1)
   g = jnp.float32(1.0) if w.global_scale is None else w.global_scale.reshape(())
   return {"codes": codes, "scales": scales, "global_scale": g}
+
+
+def tile_grouped_weight(w) -> dict:
+  """Per-expert FP4 weights [E, K, N] quantized along K (as `api.grouped_fp4_matmul` takes
+  them) -> each expert in `tile_weight`'s layout: codes [E, N/64, K/64, 64, 32], scales
+  [E, N/64, K/block, 64], globals [E] (ones for MXFP4). A layout change made once."""
+  from pallas_kernels.fp4_matmul import reference
+  reference.check_weight(w, grouped=True)
+  e, k, n = w.shape
+  if n % 64 or k % (2 * CHUNK):
+    raise ValueError(f"the wgmma kernel needs N ({n}) divisible by 64 and K ({k}) by "
+                     f"{2 * CHUNK}")
+  codes = w.codes.transpose(0, 2, 1).reshape(e, n // 64, 64, k // (2 * CHUNK), CHUNK)
+  scales = w.scales.transpose(0, 2, 1).reshape(e, n // 64, 64, -1)
+  g = (jnp.ones((e,), jnp.float32) if w.global_scale is None
+       else jnp.broadcast_to(w.global_scale.reshape(-1), (e,)).astype(jnp.float32))
+  return {"codes": codes.transpose(0, 1, 3, 2, 4), "scales": scales.transpose(0, 1, 3, 2),
+          "global_scale": g}
+
+
+def grouped_fp4_matmul(x: jax.Array, w: dict, group_sizes: jax.Array, *, fmt: str,
+                       block_k2: int = 128, splits: int | None = None,
+                       max_concurrent_steps: int = 4, decode: str = "asm") -> jax.Array:
+  """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert) for
+  weights in `tile_grouped_weight`'s layout, by the wgmma kernel (compiled Hopper only): each
+  group padded to 16-token tiles, each tile against its expert's weight -> [T, N] bf16; rows
+  past sum(group_sizes) come out zero."""
+  from pallas_kernels.fp4_matmul import api
+  e, n, k = w["codes"].shape[0], w["codes"].shape[1] * 64, w["codes"].shape[2] * 2 * CHUNK
+  if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
+    raise ValueError(f"grouped_fp4_matmul takes x [T, {k}] and group_sizes [{e}] for this "
+                     f"weight, got x {x.shape} and group_sizes {group_sizes.shape}")
+  if (k // 2) % block_k2:
+    raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
+  x2, tile_expert, dest = api._group_tiles(x, group_sizes, 16)
+  splits = splits or _splits(n // 64 * (x2.shape[0] // 16), (k // 2) // block_k2)
+  partials = grouped_fp4_wgmma_partials(
+      x2[:, 0::2].T, x2[:, 1::2].T, w["codes"], w["scales"], w["global_scale"], tile_expert,
+      fmt=fmt, block_k2=block_k2, splits=splits, max_concurrent_steps=max_concurrent_steps,
+      decode=decode)
+  y = jnp.sum(partials, axis=0).T
+  return y.astype(jnp.bfloat16).at[dest].get(mode="fill", fill_value=0)
 
 
 def fp4_matmul(x: jax.Array, w: dict, *, fmt: str, block_k2: int = 128,

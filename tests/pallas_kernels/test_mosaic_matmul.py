@@ -115,3 +115,51 @@ def test_bf16_kernel_on_gpu(m):
   want = np.asarray(reference.bf16_matmul(x, w), np.float32)
   assert not np.isnan(got).any()
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def grouped_weight(seed, e, k, n, fmt):
+  """Per-expert weights [E, K, N], each expert quantized on its own (NVFP4: one global each)."""
+  w = jax.random.normal(jax.random.PRNGKey(seed), (e, k, n))
+  w = w * jnp.exp(jax.random.normal(jax.random.PRNGKey(seed + 1), (e, 1, n)))
+  return jax.vmap(lambda we: quantize(we, fmt, axis=0))(w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_tile_grouped_weight_is_each_expert_tiled(fmt):
+  w = grouped_weight(0, 3, 256, 128, fmt)
+  t = mosaic.tile_grouped_weight(w)
+  for i in range(3):
+    one = mosaic.tile_weight(reference.transpose(jax.tree.map(lambda a, i=i: a[i], w)))
+    np.testing.assert_array_equal(t["codes"][i], one["codes"])
+    np.testing.assert_array_equal(t["scales"][i], one["scales"])
+    assert float(t["global_scale"][i]) == float(one["global_scale"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_grouped_kernel_lowers_for_cuda(fmt):
+  w = jax.eval_shape(lambda: mosaic.tile_grouped_weight(grouped_weight(0, 4, 256, 128, fmt)))
+  x = jax.ShapeDtypeStruct((20, 256), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+  f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s, fmt=fmt.name[:5]))
+  assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).mlir_module()
+  with pytest.raises(ValueError, match="group_sizes"):
+    mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((3,), jnp.int32), fmt="mxfp4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("sizes,k,n", [((5, 0, 17, 1), 2048, 768), ((40, 3, 0, 9), 768, 2048)])
+def test_grouped_kernel_on_gpu(fmt, sizes, k, n):
+  """Ragged and empty groups, rows past the groups (zeros), against XLA's dequantize-ragged_dot."""
+  e = len(sizes)
+  w = grouped_weight(k + n, e, k, n, fmt)
+  t = sum(sizes) + 3
+  x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  got = np.asarray(mosaic.grouped_fp4_matmul(x, mosaic.tile_grouped_weight(w), gs,
+                                             fmt=fmt.name[:5]), np.float32)
+  want = np.asarray(reference.grouped_fp4_matmul(x, w, gs), np.float32)
+  assert not np.isnan(got).any()
+  np.testing.assert_array_equal(got[sum(sizes):], 0)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+  assert np.mean(got != want) < 0.05
