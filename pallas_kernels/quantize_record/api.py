@@ -1,7 +1,8 @@
 """Dispatch: `quantize_and_record(x, fmt, implementation="xla" | "pallas")`.
 
 Both return the quant core's `(QArray, Record)` for x quantized along its last axis; "xla" is
-the core itself (any backend), "pallas" the fused kernel (GPU, or interpret=True anywhere).
+the core itself (any backend), "pallas" the fused kernel (GPU, or interpret=True anywhere), in
+the layout `layout` (kernel.py: "blocks", or the first version's "strided").
 """
 
 from __future__ import annotations
@@ -18,25 +19,34 @@ IMPLEMENTATIONS = ("xla", "pallas")
 
 
 def quantize_and_record(x: jax.Array, fmt: str, *, implementation: str = "xla",
-                        block_t: int = 16, num_warps: int = 4, interpret: bool = False
-                        ) -> tuple[QArray, Record]:
-  """x [..., D] -> (codes, scales and global as a QArray, and its Record), quantized along D."""
+                        layout: str = "blocks", block_t: int | None = None, num_warps: int = 4,
+                        interpret: bool = False) -> tuple[QArray, Record]:
+  """x [..., D] -> (codes, scales and global as a QArray, and its Record), quantized along D.
+  block_t: tokens a program (a power of two; None: `kernel.default_block_t`)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if layout not in kernel.LAYOUTS:
+    raise ValueError(f"layout must be one of {kernel.LAYOUTS}, got {layout!r}")
   reference.check(x, fmt)
   if implementation == "xla":
     return reference.quantize_and_record(x, fmt)
   lead, d = x.shape[:-1], x.shape[-1]
   t = math.prod(lead)
-  tp = -(-t // block_t) * block_t
   f = get_format(fmt)
-  # the Triton lowering takes power-of-two tiles only: pad D to a power of two of blocks with
-  # zero blocks (quantized on their own, then dropped; they leave NVFP4's row amax unchanged)
-  nb = d // f.block_size
-  dp = (1 << (nb - 1).bit_length()) * f.block_size
-  x2 = jnp.pad(x.reshape(t, d), ((0, tp - t), (0, dp - d)))  # zero rows: likewise dropped
-  outs = kernel.quantize_record_2d(x2, fmt=fmt, block_t=block_t, num_warps=num_warps,
-                                   interpret=interpret)
+  b, nb = f.block_size, d // f.block_size
+  block_t = block_t or kernel.default_block_t(layout, d)
+  if layout == "blocks":  # masks its own edges: no padding, only free reshapes
+    outs = kernel.quantize_record_blocks(x.reshape(t, nb, b), fmt=fmt, block_t=block_t,
+                                         num_warps=num_warps, interpret=interpret)
+    outs = [o.reshape(t, -1) for o in outs]
+  else:
+    # power-of-two tiles only: pad D to a power of two of blocks with zero blocks (quantized on
+    # their own, then dropped; they leave NVFP4's row amax unchanged), T to a multiple of block_t
+    tp = -(-t // block_t) * block_t
+    dp = (1 << (nb - 1).bit_length()) * b
+    x2 = jnp.pad(x.reshape(t, d), ((0, tp - t), (0, dp - d)))
+    outs = kernel.quantize_record_strided(x2, fmt=fmt, block_t=block_t, num_warps=num_warps,
+                                          interpret=interpret)
   widths = (d // 2, d // 8, nb)
   codes, mant, scales = (o[:t, :w].reshape(*lead, w) for o, w in zip(outs[:3], widths))
   g = outs[3][:t].reshape(*lead, 1) if fmt == "nvfp4" else None

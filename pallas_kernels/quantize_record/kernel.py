@@ -1,14 +1,25 @@
-"""Pallas kernel: a tile of tokens x the whole feature axis in, FP4 codes, scales and the record out.
+"""Pallas kernels: tiles of tokens x the whole feature axis in, FP4 codes, scales and records out.
 
-x [T, D] is read once. With B the block size (32 MXFP4, 16 NVFP4) and nb = D / B blocks per
-row, element j of every block of a row is the strided view x[:, j::B] ([tile, nb]), so the B
-views hold each block's elements side by side without a reshape: the block max is an
-elementwise max over the views, the row max (NVFP4's global) a reduction over nb. The scale
-rule is the format's own (`scales_from_amax`, `grid_multiplier`); the element rounding is the
-E2M1 round-half-to-even of the quant core written with floor (tests check it against the core
-on every kind of value). Outputs are written with strided stores in the core's byte
-layout: codes [T, D/2] (element 2k in the low nibble of byte k), record bits [T, D/8] (element
-8k+j in bit j of byte k), scales [T, nb], NVFP4's global [T, 1].
+x [T, D] is read once; B is the block size (32 MXFP4, 16 NVFP4), nb = D / B blocks per token.
+The scale rule is the format's own (`scales_from_amax`, `grid_multiplier`) and the element
+rounding is the quant core's E2M1 round-half-to-even (tests check both against the core on every
+kind of value). Outputs are in the core's byte layout: codes [T, D/2] (element 2k in the low
+nibble of byte k), record bits [T, D/8] (element 8k+j in bit j of byte k), scales [T, nb],
+NVFP4's global [T, 1]. Two layouts of the same computation:
+
+"blocks" (the default): x viewed as [T, nb, B] (a free reshape), a program loads
+[block_t, nb, B] as contiguous block rows, takes each block's max along B and the token's
+(NVFP4's global) along nb, and packs nibbles and record bits by viewing the codes tile as
+[.., B/2, 2] and [.., B/8, 8] and summing shifted codes over the last axis; every output is a
+contiguous store of its [T, nb, ...] view. The Triton lowering takes power-of-two tiles only:
+a program covers the next power of two of blocks and of tokens, and masks the loads and stores
+outside [T, nb] (nothing is padded in memory).
+
+"strided" (the first version): element j of every block of a row is the strided view
+x[:, j::B] ([block_t, nb]), so the B views hold each block's elements side by side; the block
+max is an elementwise max over the views; outputs are strided stores. Each load touches one
+element per block; BENCHMARKS.md has what that costs. It needs T a multiple of block_t and nb
+a power of two (the dispatch pads).
 """
 
 from __future__ import annotations
@@ -17,36 +28,88 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from trace_jax.quant import get_format
 
-
-def _rint(v):
-  """Round half to even for 0 <= v < 2^23, from floor (the Triton lowering has no round; the
-  float32 trick (v + 2^23) - 2^23 is folded away by XLA's simplifier)."""
-  t = jnp.floor(v)
-  frac = v - t  # exact
-  odd = (t.astype(jnp.int32) & 1) == 1
-  return t + jnp.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)
+LAYOUTS = ("blocks", "strided")
+_F32_MAX = float(np.finfo(np.float32).max)
+# E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: the midpoints between neighbours, and whether a tie
+# rounds up (to the neighbour with the even code)
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                   (3.5, True), (5.0, False))
 
 
 def e2m1_encode(y):
-  """E2M1 codes of y (uint8), as `trace_jax.quant.codecs.E2M1.encode`, in operations the Triton
-  lowering has (no round primitive): the magnitude clamps at 8 first, which changes nothing
-  (everything from 5 up saturates to 6) and keeps Inf out of the rounding."""
-  a = jnp.minimum(jnp.abs(y), 8.0)
-  m_lo = _rint(a * 2.0)
-  m_mid = _rint(a) + 2.0
-  m_hi = jnp.minimum(_rint(a * 0.5), 3.0) + 4.0
-  m = jnp.where(a < 2.0, m_lo, jnp.where(a < 4.0, m_mid, m_hi))
-  m = jnp.where(jnp.isnan(y), 0.0, m)
+  """E2M1 codes of y (uint8), as `trace_jax.quant.codecs.E2M1.encode`: the magnitude code counts
+  the midpoints |y| is past (a tie goes to the even code), seven compares where rounding takes
+  several times the operations; NaN passes none (code 0, as in the core), Inf all (6)."""
+  a = jnp.abs(y)
+  m = jnp.zeros(y.shape, jnp.int32)
+  for mid, tie_up in _E2M1_MIDPOINTS:
+    m = m + ((a >= mid) if tie_up else (a > mid)).astype(jnp.int32)
   sign = jnp.where(jnp.signbit(y), 8, 0)
-  return (sign | m.astype(jnp.int32)).astype(jnp.uint8)
+  return (sign | m).astype(jnp.uint8)
 
 
-def _kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str, block_t: int,
-            nb: int):
+def _next_pow2(n: int) -> int:
+  return 1 << (n - 1).bit_length()
+
+
+def default_block_t(layout: str, d: int) -> int:
+  """Tokens a program by default: "blocks" about 4096 elements a program (32 a thread at 4
+  warps), "strided" 8 (its best measured)."""
+  return max(1, 4096 // _next_pow2(d)) if layout == "blocks" else 8
+
+
+def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str, block_t: int,
+                   t: int, nb: int):
+  f = get_format(fmt)
+  b = f.block_size
+  nbp = _next_pow2(nb)
+  t0 = pl.multiple_of(pl.program_id(0) * block_t, block_t)
+
+  def mask(shape):
+    """The tile's elements inside [T, nb, ...] (tokens on axis 0, blocks on 1), None if all."""
+    ok = None
+    if t % block_t:
+      ok = t0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0) < t
+    if nbp != nb and shape[1] == nbp:
+      in_nb = jax.lax.broadcasted_iota(jnp.int32, shape, 1) < nb
+      ok = in_nb if ok is None else ok & in_nb
+    return ok
+
+  def store(ref, value):
+    idx = (pl.ds(t0, block_t), pl.ds(0, value.shape[1]), *[slice(None)] * (value.ndim - 2))
+    pltriton.store(ref.at[idx], value, mask=mask(value.shape))
+
+  shape = (block_t, nbp, b)
+  m = mask(shape)
+  x_TxNxB = pltriton.load(x_ref.at[pl.ds(t0, block_t), pl.ds(0, nbp), :], mask=m,
+                          other=None if m is None else 0).astype(jnp.float32)
+  a = jnp.abs(x_TxNxB)
+  finite = a <= _F32_MAX  # NaN compares false
+  amax_TxN = jnp.max(jnp.where(finite, a, 0.0), axis=-1)
+  bad_TxN = jnp.max(jnp.where(finite, 0, 1), axis=-1) > 0
+  # blocks outside [T, nb] are zero: they leave NVFP4's row max unchanged and are not stored
+  scales_TxN, g_Tx1 = f.scales_from_amax(amax_TxN, bad_TxN)
+  mult_TxN = f.grid_multiplier(scales_TxN, g_Tx1)
+  codes = e2m1_encode(x_TxNxB * mult_TxN[..., None]).astype(jnp.int32)
+  pairs = codes.reshape(block_t, nbp, b // 2, 2)
+  nibble_shift = jax.lax.broadcasted_iota(jnp.int32, pairs.shape, 3) * 4
+  store(codes_ref, jnp.sum(pairs << nibble_shift, axis=-1).astype(jnp.uint8))
+  octets = (codes & 1).reshape(block_t, nbp, b // 8, 8)
+  bit = jax.lax.broadcasted_iota(jnp.int32, octets.shape, 3)
+  store(mant_ref, jnp.sum(octets << bit, axis=-1).astype(jnp.uint8))
+  store(scales_ref, scales_TxN)
+  if global_ref:
+    store(global_ref[0], g_Tx1)
+
+
+def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str, block_t: int,
+                    nb: int):
   f = get_format(fmt)
   b = f.block_size
   t0 = pl.multiple_of(pl.program_id(0) * block_t, block_t)
@@ -74,24 +137,44 @@ def _kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str, block
     global_ref[0][rows, :] = g
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_t", "num_warps", "num_stages",
-                                             "interpret"))
-def quantize_record_2d(x, *, fmt: str, block_t: int = 16, num_warps: int = 4,
-                       num_stages: int = 1, interpret: bool = False):
-  """x [T, D] (T a multiple of block_t) -> (codes [T, D/2], mant [T, D/8], scales [T, D/B],
-  global [T, 1] for NVFP4)."""
+def _call(kernel, x, out_shapes, grid, num_warps, num_stages, interpret):
+  compiler_params = None
+  if not interpret:
+    compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=[pl.no_block_spec],
+      out_specs=[pl.no_block_spec] * len(out_shapes), out_shape=out_shapes,
+      compiler_params=compiler_params, interpret=interpret)(x)
+
+
+_STATIC = ("fmt", "block_t", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def quantize_record_blocks(x_TxNxB, *, fmt: str, block_t: int, num_warps: int = 4,
+                           num_stages: int = 1, interpret: bool = False):
+  """x [T, nb, B] (any T, nb; block_t a power of two) -> (codes [T, nb, B/2], mant
+  [T, nb, B/8], scales [T, nb], global [T, 1] for NVFP4)."""
+  t, nb, b = x_TxNxB.shape
+  outs = [jax.ShapeDtypeStruct((t, nb, b // 2), jnp.uint8),
+          jax.ShapeDtypeStruct((t, nb, b // 8), jnp.uint8),
+          jax.ShapeDtypeStruct((t, nb), jnp.uint8)]
+  if fmt == "nvfp4":
+    outs.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
+  kernel = functools.partial(_blocks_kernel, fmt=fmt, block_t=block_t, t=t, nb=nb)
+  return _call(kernel, x_TxNxB, outs, (pl.cdiv(t, block_t),), num_warps, num_stages, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def quantize_record_strided(x, *, fmt: str, block_t: int = 8, num_warps: int = 4,
+                            num_stages: int = 1, interpret: bool = False):
+  """x [T, D] (T a multiple of block_t, D / B a power of two) -> (codes [T, D/2], mant [T, D/8],
+  scales [T, D/B], global [T, 1] for NVFP4)."""
   t, d = x.shape
-  b = get_format(fmt).block_size
-  nb = d // b
+  nb = d // get_format(fmt).block_size
   outs = [jax.ShapeDtypeStruct((t, d // 2), jnp.uint8),
           jax.ShapeDtypeStruct((t, d // 8), jnp.uint8), jax.ShapeDtypeStruct((t, nb), jnp.uint8)]
   if fmt == "nvfp4":
     outs.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
-  compiler_params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as pltriton
-    compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  return pl.pallas_call(
-      functools.partial(_kernel, fmt=fmt, block_t=block_t, nb=nb), grid=(t // block_t,),
-      in_specs=[pl.no_block_spec], out_specs=[pl.no_block_spec] * len(outs), out_shape=outs,
-      compiler_params=compiler_params, interpret=interpret)(x)
+  kernel = functools.partial(_strided_kernel, fmt=fmt, block_t=block_t, nb=nb)
+  return _call(kernel, x, outs, (t // block_t,), num_warps, num_stages, interpret)

@@ -1,5 +1,5 @@
-"""Quantize-and-record kernel against the quant core, bit for bit: interpret mode on CPU, compiled
-on a GPU (-m gpu)."""
+"""Quantize-and-record kernels against the quant core, bit for bit: interpret mode on CPU, the
+Triton lowering on CPU (lowered for CUDA, not compiled), compiled on a GPU (-m gpu)."""
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +37,22 @@ def test_e2m1_encode_matches_the_core_on_every_bf16_value_and_ties():
   bits = jnp.arange(1 << 16, dtype=jnp.uint32) << 16
   y = jax.lax.bitcast_convert_type(bits, jnp.float32)
   ties = jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 4.9999995, 5.0000005])
-  y = jnp.concatenate([y, ties, -ties, jax.random.uniform(jax.random.PRNGKey(0), (4096,)) * 9])
+  y = jnp.concatenate([y, ties, -ties, jnp.nextafter(ties, 0.0), jnp.nextafter(ties, 9.0),
+                       jax.random.uniform(jax.random.PRNGKey(0), (4096,)) * 9])
   np.testing.assert_array_equal(np.asarray(jax.jit(e2m1_encode)(y)), np.asarray(E2M1.encode(y)))
 
 
+# (17, 2, 128) with 4 tokens a program: a last program that is part outside T; 96: 3 MXFP4
+# blocks, 6 NVFP4 blocks, not powers of two (masked in "blocks", padded in "strided")
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", [(1, 32), (17, 2, 128), (5, 96)])  # 96: 3 MXFP4 blocks
-def test_kernel_in_interpret_mode_is_bit_exact(fmt, shape):
+@pytest.mark.parametrize("shape, layout, block_t", [
+    ((1, 32), "blocks", None), ((17, 2, 128), "blocks", 4), ((5, 96), "blocks", 2),
+    ((5, 96), "blocks", None), ((5, 96), "strided", 8)])
+def test_kernel_in_interpret_mode_is_bit_exact(fmt, shape, layout, block_t):
   x = hostile(jax.random.PRNGKey(sum(shape)), shape)
   want = quantize_and_record(x, fmt)
-  got = quantize_and_record(x, fmt, implementation="pallas", block_t=8, interpret=True)
+  got = quantize_and_record(x, fmt, implementation="pallas", layout=layout, block_t=block_t,
+                            interpret=True)
   assert_same(got, want)
   qa, rec = got
   assert qa.codes.shape == shape[:-1] + (shape[-1] // 2,) and rec.mant.shape[-1] == shape[-1] // 8
@@ -56,24 +62,49 @@ def test_kernel_in_interpret_mode_is_bit_exact(fmt, shape):
                                 np.asarray(dequantize(qa))[finite])
 
 
-def test_bf16_input_and_errors():
+@pytest.mark.parametrize("layout", ["blocks", "strided"])
+def test_bf16_input(layout):
   x = jax.random.normal(jax.random.PRNGKey(3), (5, 64), jnp.bfloat16)
-  assert_same(quantize_and_record(x, "mxfp4", implementation="pallas", interpret=True),
+  assert_same(quantize_and_record(x, "mxfp4", implementation="pallas", layout=layout,
+                                  interpret=True),
               quantize_and_record(x, "mxfp4"))
+
+
+def test_errors():
+  x = jax.random.normal(jax.random.PRNGKey(3), (5, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="supports"):
     quantize_and_record(x, "fp8")
   with pytest.raises(ValueError, match="blocks of 32"):
     quantize_and_record(x[:, :48], "mxfp4")
   with pytest.raises(ValueError, match="implementation must be one of"):
     quantize_and_record(x, "mxfp4", implementation="cuda")
+  with pytest.raises(ValueError, match="layout must be one of"):
+    quantize_and_record(x, "mxfp4", implementation="pallas", layout="rows")
+
+
+# interpret mode does not apply the Triton lowering's rules (power-of-two tiles, the operations
+# it has); lowering for CUDA does, on any host
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["blocks", "strided"])
+def test_kernel_lowers_to_triton(fmt, layout):
+  for shape, block_t in [((64, 2048), None), ((4096, 768), None), ((17, 96), 4), ((1, 32), 1)]:
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    f = lambda x: quantize_and_record(x, fmt, implementation="pallas", layout=layout,
+                                      block_t=block_t)
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["blocks", "strided"])
 @pytest.mark.parametrize("shape", [(1, 2048), (64, 2048), (256, 768), (1000, 128)])
-def test_kernel_on_gpu_is_bit_exact(fmt, shape):
+def test_kernel_on_gpu_is_bit_exact(fmt, layout, shape):
   for seed in range(3):  # fresh inputs each time
     x = hostile(jax.random.PRNGKey(seed * 1000 + shape[0]), shape).astype(
         jnp.bfloat16 if seed == 2 else jnp.float32)
-    assert_same(quantize_and_record(x, fmt, implementation="pallas"),
+    assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout),
                 quantize_and_record(x, fmt))
+  x = hostile(jax.random.PRNGKey(7), (shape[0] + 3, shape[1]))  # T not a multiple of block_t
+  assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout, block_t=8),
+              quantize_and_record(x, fmt))
