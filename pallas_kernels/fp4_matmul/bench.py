@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fp4_matmul import api, mosaic, reference
+from pallas_kernels.fp4_matmul import api, mosaic, mosaic_grouped_baseline, reference
 from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
 
 # decode shapes of the qwen3_30b_a3b preset and the dot of the kernels issue
@@ -265,6 +265,12 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
 # qwen3_30b_a3b's MoE experts at decode: 128 experts, top-8 routing, d_model 2048, d_ff 768
 EXPERTS, TOP_K = 128, 8
 GROUPED_SHAPES = {"gate/up 2048x768": (2048, 768), "down 768x2048": (768, 2048)}
+# JAX's Mosaic GPU grouped kernel (`mosaic_grouped_baseline`) at decode: block_m at its minimum
+# (each group holds a few rows), N tiles of 64-256 columns (768 and 2048 are multiples of
+# each), deep K pipelines within shared memory; the last reads the weight K-major ([E, N, K])
+MOSAIC_GROUPED_BF16 = [dict(block_m=64, block_n=bn, block_k=bk, max_concurrent_steps=st)
+                       for bn, bk, st in [(128, 64, 4), (128, 128, 4), (64, 128, 6), (256, 64, 4)]]
+MOSAIC_GROUPED_BF16 += [dict(MOSAIC_GROUPED_BF16[0], transpose_rhs=True)]
 
 
 def routing(key, m: int, experts: int, top_k: int) -> jax.Array:
@@ -297,10 +303,11 @@ def torch_grouped(x, w, group_sizes, copies: int, ref) -> tuple[float, float] | 
 def run_grouped(quick: bool = False, shapes: list[str] | None = None,
                 batches: list[int] | None = None, formats: list[str] | None = None) -> dict:
   """The MoE expert matmul of qwen3_30b_a3b at decode, per projection and batch M (T = TOP_K x M
-  routed rows): XLA's ragged_dot and the project's kernel in bf16, torch's _grouped_mm, and
-  MXFP4 / NVFP4 by XLA (dequantize + ragged_dot) and by the kernel, each with its default
-  tiles. Bytes moved count the weights of the experts hit (distinct among the routed rows),
-  activations and outputs; each xla row is the reference of the rows after it."""
+  routed rows): XLA's ragged_dot and the project's kernel in bf16, JAX's Mosaic GPU grouped
+  kernel in bf16 (each of MOSAIC_GROUPED_BF16), torch's _grouped_mm, and MXFP4 / NVFP4 by XLA
+  (dequantize + ragged_dot) and by the kernel, each with its default tiles. Bytes moved count
+  the weights of the experts hit (distinct among the routed rows), activations and outputs;
+  each xla row is the reference of the rows after it."""
   key = jax.random.PRNGKey(0)
   result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "copy_bytes_per_s": copy_bandwidth(0.5 if quick else 2.0), "rows": []}
@@ -316,6 +323,8 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
       for f in fmts:
         packed[f.name].append(quantize(w32, f, axis=-2))
     del w32
+    w16t = ([jnp.swapaxes(w, 1, 2) for w in w16]  # [E, N, K], outside the timing
+            if any(c.get("transpose_rhs") for c in MOSAIC_GROUPED_BF16) else None)
     for m in batches or (BATCHES[:2] if quick else BATCHES):
       t = TOP_K * m
       xs = (jax.random.normal(jax.random.fold_in(kx, m), (t, k), jnp.bfloat16),
@@ -324,19 +333,25 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
       extra = {"T": t, "experts_hit": hit}
       refs = {}
 
-      def row(variant, fn, ws, expert_bytes, ref):
+      def row(variant, fn, ws, expert_bytes, ref, cfg=None):
         out = jax.jit(fn)(xs, ws[0])
         if variant.startswith("xla"):  # the reference of its format (rel_err 0)
           refs[ref] = out
         _record(result, name, m, variant, time_calls(fn, xs, ws),
                 hit * expert_bytes + t * (k + n) * 2,
-                _rel(out, refs[ref]) if ref in refs else float("nan"), extra)
+                _rel(out, refs[ref]) if ref in refs else float("nan"), dict(extra, **cfg or {}))
 
       xla16 = lambda a, w: reference.grouped_bf16_matmul(a[0], w, a[1])
       pallas16 = lambda a, w: api.grouped_bf16_matmul(a[0], w, a[1], implementation="pallas")
       for variant, fn in (("xla bf16 ragged_dot", xla16), ("pallas bf16", pallas16)):
         _attempt(result, f"{name} M={m} {variant}",
                  lambda: row(variant, fn, w16, k * n * 2, "bf16"))
+      for cfg in MOSAIC_GROUPED_BF16:
+        mgpu16 = lambda a, w, cfg=cfg: mosaic_grouped_baseline.grouped_bf16_matmul(
+            a[0], w, a[1], **cfg)
+        _attempt(result, f"{name} M={m} mosaic bf16 ragged_dot_mgpu {cfg}",
+                 lambda: row("mosaic bf16 (jax ragged_dot_mgpu)", mgpu16,
+                             w16t if cfg.get("transpose_rhs") else w16, k * n * 2, "bf16", cfg))
       timed = torch_grouped(xs[0], w16[0], xs[1], copies, refs.get("bf16"))
       if isinstance(timed, str):
         if timed not in result.setdefault("notes", []):
@@ -462,8 +477,10 @@ def table(result: dict) -> str:
            f"{'k' + str(r['splits']) if r.get('splits') else ''} {r.get('decode', '')} "
            f"{r.get('kernel', '')}"
            if "block_n" in r and "rows" in r else
-           " " + " ".join(f"{key}={r[key]}" for key in ("block_k2", "block_k", "splits",
-                                                      "max_concurrent_steps", "kernel")
+           " " + " ".join(f"{key}={r[key]}" for key in ("block_m", "block_n", "block_k2",
+                                                      "block_k", "splits",
+                                                      "max_concurrent_steps", "transpose_rhs",
+                                                      "kernel")
                           if r.get(key) is not None))
     routed = f" T={r['T']} hit={r['experts_hit']}" if "experts_hit" in r else ""
     lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:40s} {r['us']:9.1f} "

@@ -163,3 +163,16 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n):
   np.testing.assert_array_equal(got[sum(sizes):], 0)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
   assert np.mean(got != want) < 0.05
+
+
+def test_jax_grouped_baseline_lowers_for_cuda():
+  """The bench's tiles of JAX's Mosaic GPU grouped bf16 kernel lower at a decode shape."""
+  from pallas_kernels.fp4_matmul import bench, mosaic_grouped_baseline
+  e, k, n, t = bench.EXPERTS, 2048, 768, bench.TOP_K
+  x = jax.ShapeDtypeStruct((t, k), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+  for cfg in bench.MOSAIC_GROUPED_BF16:
+    w = jax.ShapeDtypeStruct((e, n, k) if cfg.get("transpose_rhs") else (e, k, n), jnp.bfloat16)
+    f = jax.jit(lambda x, w, s, cfg=cfg:
+                mosaic_grouped_baseline.grouped_bf16_matmul(x, w, s, **cfg))
+    assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).out_avals[0].shape == (t, n)
