@@ -56,9 +56,10 @@ GEMV_SWEEP = ([dict(block_n=bn, rows=r, num_warps=w, num_stages=st, splits=sp, d
                       variant="gemv")]
               + [dict(c, decode="asm", variant="dot") for c in SWEEP[:3]])
 # the Mosaic GPU (wgmma, decoded weight in registers) kernels against the Triton ones
-MOSAIC = [dict(backend="mosaic", block_k2=bk, splits=sp, max_concurrent_steps=st)
-          for bk, sp, st in [(256, None, 2), (256, None, 4), (128, None, 4), (64, None, 8),
-                             (512, None, 2), (256, 2, 3)]]
+# (decode "asm": the PTX decode in the A operand's registers; "jnp": integer operations)
+MOSAIC = [dict(backend="mosaic", block_k2=bk, splits=sp, max_concurrent_steps=st, decode=d)
+          for bk, sp, st, d in [(128, None, 4, "asm"), (256, None, 4, "asm"), (64, None, 8, "asm"),
+                                (256, None, 2, "asm"), (128, None, 4, "jnp")]]
 MOSAIC_SWEEP = MOSAIC + [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot")]
 MOSAIC_BF16 = [dict(block_k=bk, splits=sp, max_concurrent_steps=st)
                for bk, sp, st in [(128, None, 4), (64, None, 6), (128, 2, 3), (256, None, 3)]]
@@ -271,6 +272,9 @@ GROUPED_SHAPES = {"gate/up 2048x768": (2048, 768), "down 768x2048": (768, 2048)}
 MOSAIC_GROUPED_BF16 = [dict(block_m=64, block_n=bn, block_k=bk, max_concurrent_steps=st)
                        for bn, bk, st in [(128, 64, 4), (128, 128, 4), (64, 128, 6), (256, 64, 4)]]
 MOSAIC_GROUPED_BF16 += [dict(MOSAIC_GROUPED_BF16[0], transpose_rhs=True)]
+# the project's Mosaic grouped FP4 kernel (`mosaic.grouped_fp4_matmul`, 16-token tiles)
+MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
+                      for bk, st in [(128, 4), (64, 8), (192, 2)]]
 
 
 def routing(key, m: int, experts: int, top_k: int) -> jax.Array:
@@ -305,7 +309,8 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
   """The MoE expert matmul of qwen3_30b_a3b at decode, per projection and batch M (T = TOP_K x M
   routed rows): XLA's ragged_dot and the project's kernel in bf16, JAX's Mosaic GPU grouped
   kernel in bf16 (each of MOSAIC_GROUPED_BF16), torch's _grouped_mm, and MXFP4 / NVFP4 by XLA
-  (dequantize + ragged_dot) and by the kernel, each with its default tiles. Bytes moved count
+  (dequantize + ragged_dot), by the Triton kernel with its default tiles and by the project's
+  Mosaic kernel (each of MOSAIC_GROUPED_FP4). Bytes moved count
   the weights of the experts hit (distinct among the routed rows), activations and outputs;
   each xla row is the reference of the rows after it."""
   key = jax.random.PRNGKey(0)
@@ -365,6 +370,12 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         for variant, fn in ((f"xla {fmt} dequant+ragged_dot", xla), (f"pallas {fmt}", pallas)):
           _attempt(result, f"{name} M={m} {variant}",
                    lambda: row(variant, fn, ws, ws[0].nbytes / EXPERTS, fmt))
+        tiled = [mosaic.tile_grouped_weight(w) for w in ws]  # outside the timing
+        for cfg in MOSAIC_GROUPED_FP4:
+          mgpu4 = lambda a, w, cfg=cfg: mosaic.grouped_fp4_matmul(a[0], w, a[1], fmt=fmt[:5],
+                                                                  **cfg)
+          _attempt(result, f"{name} M={m} mosaic {fmt} {cfg}",
+                   lambda: row(f"mosaic {fmt}", mgpu4, tiled, ws[0].nbytes / EXPERTS, fmt, cfg))
   return result
 
 
@@ -480,7 +491,7 @@ def table(result: dict) -> str:
            " " + " ".join(f"{key}={r[key]}" for key in ("block_m", "block_n", "block_k2",
                                                       "block_k", "splits",
                                                       "max_concurrent_steps", "transpose_rhs",
-                                                      "kernel")
+                                                      "decode", "kernel")
                           if r.get(key) is not None))
     routed = f" T={r['T']} hit={r['experts_hit']}" if "experts_hit" in r else ""
     lines.append(f"{r['shape']:18s} {r['M']:4d} {r['variant'] + cfg:40s} {r['us']:9.1f} "
