@@ -4,7 +4,10 @@
         [--context=4080] [--steps=16] [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,...]
 
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
-nvfp4; the engine's kernels: xla | pallas) and batch size, the rollout engine decodes `steps`
+nvfp4; the engine's kernels: xla | pallas | triton, where "pallas" is the engine's kernel switch
+as a user sets it, the weight sync packing FP4 weights for the Mosaic GPU kernels, and "triton"
+the same switch with FP4 weights packed plainly, which runs the Triton FP4 kernels instead) and
+batch size, the rollout engine decodes `steps`
 tokens per sequence after `context` tokens of context, in one jitted decode loop (records off,
 sampling at temperature 1). The cache holds random codes for the context (the attention reads
 every slot of the cache whatever its content), so no prefill of B x 4K tokens is needed; the
@@ -41,7 +44,8 @@ from trace_jax.models.paths import new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
 
-VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:pallas")
+VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:pallas",
+            "mxfp4:triton", "nvfp4:triton")
 
 
 def random_cache(cache: list, key) -> list:
@@ -133,10 +137,13 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
     precision, kernels = variant.split(":")
+    layout = "pallas" if kernels == "pallas" else "xla"  # "triton": FP4 weights packed plainly
+    kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
-    if precision not in packed:
-      packed = {precision: jax.block_until_ready(pack_weights(cfg, params, recipe))}
-    weights = packed[precision]
+    if (precision, layout) not in packed:  # one packing alive at a time
+      packed = {(precision, layout): jax.block_until_ready(
+          pack_weights(cfg, params, recipe, kernels=layout))}
+    weights = packed[precision, layout]
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels)
     for b in batches:
       key = jax.random.PRNGKey(b)

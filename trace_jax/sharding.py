@@ -56,10 +56,11 @@ def _path_names(path) -> list[str]:
 
 
 def param_logical_axes(path, leaf) -> tuple[str | None, ...]:
-  """Logical axes of a param or rollout-weight leaf: expert stacks lead with `experts`."""
+  """Logical axes of a param or rollout-weight leaf: expert stacks lead with `experts`, and so
+  does every array of a packed expert stack (codes, scales, globals; in any layout)."""
   names = _path_names(path)
-  if any(n in _EXPERT_WEIGHTS for n in names) and leaf.ndim == 3:
-    return ("experts", None, None)
+  if any(n in _EXPERT_WEIGHTS for n in names) and leaf.ndim >= 1:
+    return ("experts",) + (None,) * (leaf.ndim - 1)
   return (None,) * leaf.ndim
 
 

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.autodiff import reference_vjp
-from pallas_kernels.fp4_matmul import kernel, reference
+from pallas_kernels.fp4_matmul import kernel, mosaic, reference
+from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -28,11 +29,13 @@ def _check_impl(implementation: str) -> None:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
-def default_splits(m_tiles: int, n_tiles: int, k_steps: int, programs: int = 4 * 132) -> int:
+def default_splits(m_tiles: int, n_tiles: int, k_steps: int, programs: int = 4 * 132,
+                   max_splits: int = 16) -> int:
   """K splits that give each of the H200's 132 multiprocessors several programs (powers of two
-  dividing the K steps, at most 16): decode-sized M leaves too few tiles otherwise."""
+  dividing the K steps, at most max_splits): decode-sized M leaves too few tiles otherwise."""
   splits = 1
-  while m_tiles * n_tiles * splits < programs and k_steps % (splits * 2) == 0 and splits < 16:
+  while (m_tiles * n_tiles * splits < programs and k_steps % (splits * 2) == 0
+         and splits < max_splits):
     splits *= 2
   return splits
 
@@ -48,9 +51,16 @@ def _pad_rows(x2, block_m):
   return jnp.pad(x2, ((0, mp - m), (0, 0))), m
 
 
+def _wgmma(w, implementation: str, interpret: bool) -> bool:
+  """Whether a tiled weight runs the Mosaic GPU (wgmma) kernel: compiled on a Hopper GPU. The
+  XLA path, interpret mode and other GPUs take the packed weight back (`untile`)."""
+  return isinstance(w, TiledFP4) and implementation == "pallas" and not interpret and (
+      mosaic.available())
+
+
 @reference_vjp(reference.fp4_matmul)
-def fp4_matmul(x: jax.Array, w: QArray, /, *, implementation: str = "xla", block_m: int = 16,
-               block_n: int = 64, splits: int | None = None, rows: int = 32,
+def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "xla",
+               block_m: int = 16, block_n: int = 64, splits: int | None = None, rows: int = 32,
                num_warps: int = 4, num_stages: int = 4, decode: str | None = None,
                variant: str | None = None, interpret: bool = False,
                poison: bool = False) -> jax.Array:
@@ -58,13 +68,19 @@ def fp4_matmul(x: jax.Array, w: QArray, /, *, implementation: str = "xla", block
 
   `w` is either [K, N] quantized along axis 0, or its K-major transpose [N, K] quantized along
   axis 1 (`reference.transpose(w)`, the layout of a [out, in] linear weight), which the pallas
-  implementation multiplies with the "kmajor" kernel (the decoded weight in registers).
+  implementation multiplies with the "kmajor" kernel (the decoded weight in registers), or
+  either in the Mosaic GPU kernel's layout (`layout.tile`): compiled on a Hopper GPU, pallas
+  then runs `mosaic.fp4_matmul` (faster; its own tiles, `splits` passed on, the Triton tile
+  arguments unused), elsewhere the packed weight taken back.
 
   `decode` picks how the kernel unpacks FP4: "asm" (PTX, compiled GPU kernels; the default
   there) or "bits" (jnp integer operations; the default in interpret mode). `variant`: "dot"
   (matrix instructions over block_m-row tiles) or "gemv" (float32 multiply-adds, M <= 8; the
   default for M <= GEMV_MAX_ROWS)."""
   _check_impl(implementation)
+  if _wgmma(w, implementation, interpret):
+    return mosaic.fp4_matmul(x, w, splits=splits)
+  w = untile(w) if isinstance(w, TiledFP4) else w
   reference.check_weight(w)
   k, n = w.shape[::-1] if w.axis == -1 else w.shape
   if x.shape[-1] != k:
@@ -156,7 +172,7 @@ def _group_tiles(x, group_sizes, block_m):
 
 
 @reference_vjp(reference.grouped_fp4_matmul)
-def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, /, *,
+def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Array, /, *,
                        implementation: str = "xla", block_m: int = 16, block_n: int = 64,
                        splits: int | None = None, rows: int = 32, num_warps: int = 4,
                        num_stages: int = 4, decode: str | None = None, interpret: bool = False,
@@ -167,8 +183,12 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array, /, *,
 
   The pallas implementation pads each group to whole block_m-row tiles (`_group_tiles`) and
   runs the dot kernel with each tile's expert read from a small table; the padding tiles past
-  the ones in use skip their K loop."""
+  the ones in use skip their K loop. Weights in the Mosaic GPU kernel's layout (`layout.tile`)
+  run `mosaic.grouped_fp4_matmul` when compiled on a Hopper GPU, as in `fp4_matmul`."""
   _check_impl(implementation)
+  if _wgmma(w, implementation, interpret):
+    return mosaic.grouped_fp4_matmul(x, w, group_sizes, splits=splits)
+  w = untile(w) if isinstance(w, TiledFP4) else w
   reference.check_weight(w, grouped=True)
   _check_grouped("grouped_fp4_matmul", x, w.shape, group_sizes)
   if implementation == "xla":

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fp4_matmul import api, mosaic, mosaic_grouped_baseline, reference
+from pallas_kernels.fp4_matmul import api, layout, mosaic, mosaic_grouped_baseline, reference
 from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
 
 # decode shapes of the qwen3_30b_a3b preset and the dot of the kernels issue
@@ -56,10 +56,12 @@ GEMV_SWEEP = ([dict(block_n=bn, rows=r, num_warps=w, num_stages=st, splits=sp, d
                       variant="gemv")]
               + [dict(c, decode="asm", variant="dot") for c in SWEEP[:3]])
 # the Mosaic GPU (wgmma, decoded weight in registers) kernels against the Triton ones
-# (decode "asm": the PTX decode in the A operand's registers; "jnp": integer operations)
+# (decode "asm": the PTX decode in the A operand's registers; "jnp": integer operations; None:
+# the kernel's default for the M, `mosaic.pipeline`, 128 x 4 up to M = 64)
 MOSAIC = [dict(backend="mosaic", block_k2=bk, splits=sp, max_concurrent_steps=st, decode=d)
-          for bk, sp, st, d in [(128, None, 4, "asm"), (256, None, 4, "asm"), (64, None, 8, "asm"),
-                                (256, None, 2, "asm"), (128, None, 4, "jnp")]]
+          for bk, sp, st, d in [(None, None, None, "asm"), (256, None, 4, "asm"),
+                                (64, None, 8, "asm"), (256, None, 2, "asm"),
+                                (128, None, 4, "jnp")]]
 MOSAIC_SWEEP = MOSAIC + [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot")]
 MOSAIC_BF16 = [dict(block_k=bk, splits=sp, max_concurrent_steps=st)
                for bk, sp, st in [(128, None, 4), (64, None, 6), (128, 2, 3), (256, None, 3)]]
@@ -247,16 +249,16 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
           if n % cfg.get("block_n", 64) or (cfg.get("variant") == "gemv" and m > 8):
             continue
           kw = {key: v for key, v in cfg.items() if key not in ("layout", "backend")}
-          if cfg.get("layout") == "kmajor" or cfg.get("backend") == "mosaic":
+          if cfg.get("layout") == "kmajor":
             wts = wts or [reference.transpose(w) for w in ws]  # outside the timing
-            args, label = wts, dict(kw, variant=cfg.get("backend", "kmajor"))
+            args, label = wts, dict(kw, variant="kmajor")
           else:
             args, label = ws, kw
           p = lambda a, b, kw=kw: api.fp4_matmul(a, b, implementation="pallas", **kw)
           if cfg.get("backend") == "mosaic":  # the weight in its tiled layout
-            tiled = tiled or [mosaic.tile_weight(w) for w in wts]
-            args = tiled
-            p = lambda a, b, kw=kw: mosaic.fp4_matmul(a, b, fmt=fmt[:5], **kw)
+            tiled = tiled or [layout.tile(w) for w in ws]  # outside the timing
+            args, label = tiled, dict(kw, variant="mosaic")
+            p = lambda a, b, kw=kw: mosaic.fp4_matmul(a, b, **kw)
           attempt(lambda p=p, args=args, label=label: record(
               f"pallas {fmt}", time_calls(p, x, args), wbytes, _rel(jax.jit(p)(x, args[0]), ref),
               label), f"pallas {fmt} {cfg}")
@@ -370,10 +372,9 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         for variant, fn in ((f"xla {fmt} dequant+ragged_dot", xla), (f"pallas {fmt}", pallas)):
           _attempt(result, f"{name} M={m} {variant}",
                    lambda: row(variant, fn, ws, ws[0].nbytes / EXPERTS, fmt))
-        tiled = [mosaic.tile_grouped_weight(w) for w in ws]  # outside the timing
+        tiled = [layout.tile(w) for w in ws]  # outside the timing
         for cfg in MOSAIC_GROUPED_FP4:
-          mgpu4 = lambda a, w, cfg=cfg: mosaic.grouped_fp4_matmul(a[0], w, a[1], fmt=fmt[:5],
-                                                                  **cfg)
+          mgpu4 = lambda a, w, cfg=cfg: mosaic.grouped_fp4_matmul(a[0], w, a[1], **cfg)
           _attempt(result, f"{name} M={m} mosaic {fmt} {cfg}",
                    lambda: row(f"mosaic {fmt}", mgpu4, tiled, ws[0].nbytes / EXPERTS, fmt, cfg))
   return result

@@ -17,7 +17,7 @@ A pipeline of bulk copies streams codes, scales and x through shared memory; the
 
 Numerics: each value decodes to the bf16 XLA's dequantization gives it (MXFP4: E2M1 x 2^e,
 exact; NVFP4: E2M1 x (E4M3 x global) in float32, rounded once to bf16); products accumulate in
-float32. The weight is stored pre-tiled (`tile_weight`: [64-row, 32-byte] code tiles and
+float32. The weight is stored pre-tiled (`layout.TiledFP4`: [64-row, 32-byte] code tiles and
 64-row scale vectors, each contiguous), because Mosaic swizzles only contiguous shared-memory
 tiles; the tiling is a layout change made once, when weights are packed.
 
@@ -38,8 +38,10 @@ import numpy as np
 
 from pallas_kernels.fp4_matmul.kernel import (E2M1_NV_PAIR_ASM, E2M1_PAIR_ASM, e2m1_bf16,
                                               e4m3_f32)
+from pallas_kernels.fp4_matmul.layout import CHUNK, ROWS, TiledFP4
 
-CHUNK = 32  # packed columns decoded at a time: 64 K values, two MXFP4 blocks, four NVFP4
+TOKEN_GROUP = 32  # tokens (wgmma N) an accumulator: bf16 rows of 64 bytes, K steps of 32
+MAX_M = 256  # tokens a dense call multiplies at once (accumulators: M / 2 registers a thread)
 
 
 def _scale_row(s_u8, fmt, g):
@@ -119,12 +121,18 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
   one [64, tile_m] tile of the grouped product: token tile t of x times expert tile_expert[t]'s
   weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
-  tiles past the table's last entry (the tiles in use) do nothing."""
+  tiles past the table's last entry (the tiles in use) do nothing.
+
+  Tokens are wgmma's N, read from shared memory in groups of up to 32 (64-byte rows: the
+  swizzle that lets one instruction take the 32 K values of a decoded chunk; 128-byte rows
+  would need 64), each group with its own accumulator: a chunk is decoded once for all."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   *table, out_gmem = rest
   ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
   ti = jax.lax.axis_index("t") if table else 0
   m = tile_m or xe_gmem.shape[1]
+  width = min(m, TOKEN_GROUP)  # tokens a group
+  groups = m // width
   per_scale = 16 if fmt == "mxfp4" else 8  # packed columns per scale
   wgmma = plgpu.Layout.WGMMA
   row_l = wgmma.reduce(1)  # a [64] vector, one value per row of the A operand
@@ -148,7 +156,9 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
       tile = full if tile is None else jnp.where(col == b, full, tile)
     return tile
 
-  def step(_, xe_smem, xo_smem, codes_smem, scales_smem, acc_ref):
+  def step(_, *smem, accs):
+    xe_smem, xo_smem = smem[:groups], smem[groups:2 * groups]
+    codes_smem, scales_smem = smem[2 * groups:]
     for j in range(block_k2 // CHUNK):
       cols = pl.ds(j * CHUNK, CHUNK)
       codes = _load(codes_smem.at[0, j], wgmma)
@@ -162,31 +172,34 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
         scale = scale_tile(scales_smem, j, codes.shape)
         lo = plgpu.layout_cast(_decode(codes & 15, scale, fmt), wgmma)
         hi = plgpu.layout_cast(_decode(codes >> 4, scale, fmt), wgmma)
-      plgpu.wgmma(acc_ref, lo, xe_smem.at[cols])
-      plgpu.wgmma(acc_ref, hi, xo_smem.at[cols])
+      for acc_ref, xe, xo in zip(accs, xe_smem, xo_smem):
+        plgpu.wgmma(acc_ref, lo, xe.at[cols])
+        plgpu.wgmma(acc_ref, hi, xo.at[cols])
     plgpu.wgmma_wait(0)
-    return acc_ref
+    return accs
 
   scale_cols, chunks = block_k2 // per_scale, block_k2 // CHUNK
   k0 = si * steps
+  x_specs = [plgpu.BlockSpec((block_k2, width), lambda k, c=c: (k0 + k, ti if table else c))
+             for c in range(groups)]
 
-  def acc_scope(acc_ref):
+  def acc_scope(*accs):
     plgpu.emit_pipeline(
-        functools.partial(step, acc_ref=acc_ref),
+        functools.partial(step, accs=accs),
         grid=(steps,),
         in_specs=[
-            plgpu.BlockSpec((block_k2, m), lambda k: (k0 + k, ti)),
-            plgpu.BlockSpec((block_k2, m), lambda k: (k0 + k, ti)),
+            *x_specs, *x_specs,
             plgpu.BlockSpec((1, chunks, 64, CHUNK), lambda k: (wi, k0 + k, 0, 0)),
             plgpu.BlockSpec((1, scale_cols, 64), lambda k: (wi, k0 + k, 0)),
         ],
         max_concurrent_steps=max_concurrent_steps,
-    )(xe_gmem, xo_gmem, codes_gmem, scales_gmem)
-    return acc_ref[...]
+    )(*[xe_gmem] * groups, *[xo_gmem] * groups, codes_gmem, scales_gmem)
+    return tuple(acc_ref[...] for acc_ref in accs)
 
   def tile():
-    _store(pl.run_scoped(acc_scope, plgpu.ACC((block_n, m))), out_gmem, si, ni, block_n,
-           cols=pl.ds(ti * m, m) if table else slice(None))
+    accs = pl.run_scoped(acc_scope, *[plgpu.ACC((block_n, width)) for _ in range(groups)])
+    for c, acc in enumerate(accs):
+      _store(acc, out_gmem, si, ni, block_n, cols=pl.ds((ti if table else c) * width, width))
 
   if table:
     pl.when(ti < table[0][table[0].shape[0] - 1])(tile)
@@ -212,8 +225,9 @@ def _store(acc, out_gmem, si, ni, block_n, cols=slice(None)):
 def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
                        block_k2: int = 256, splits: int = 1, max_concurrent_steps: int = 4,
                        decode: str = "asm"):
-  """x's even and odd K columns transposed (xe_t, xo_t: [K/2, M], M a multiple of 16), a weight
-  in the tiled layout of `tile_weight` (codes [N/64, K/64, 64, 32], scales [N/64, K/block, 64]),
+  """x's even and odd K columns transposed (xe_t, xo_t: [K/2, M]; M 16, 32 or a multiple of 32),
+  a weight
+  in the layout of `layout.tile` (codes [N/64, K/64, 64, 32], scales [N/64, K/block, 64]),
   NVFP4's float32 global [1] (ignored for MXFP4) -> float32 [splits, N, M] partials of y^T.
   decode: "asm" (the PTX of `_decode_asm`) or "jnp" (integer operations and a select chain)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -223,12 +237,12 @@ def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
   if decode not in ("asm", "jnp"):
     raise ValueError(f"decode must be 'asm' or 'jnp', got {decode!r}")
-  if codes.shape[1:] != (k2 // CHUNK, 64, CHUNK) or m % 16 or m > 256 \
+  if codes.shape[1:] != (k2 // CHUNK, 64, CHUNK) or m % (16 if m <= 32 else 32) or m > MAX_M \
       or k2 % (block_k2 * splits) or block_k2 % CHUNK:
     raise ValueError(f"the wgmma kernel needs tiled codes [N/64, K/64, 64, 32] (got "
-                     f"{codes.shape} for K/2 = {k2}), M ({m}) a multiple of 16 up to 256 and "
-                     f"K/2 divisible by block_k2 ({block_k2}, a multiple of {CHUNK}) x splits "
-                     f"({splits})")
+                     f"{codes.shape} for K/2 = {k2}), M ({m}) 16, 32 or a multiple of 32 up to "
+                     f"{MAX_M} and K/2 divisible by block_k2 ({block_k2}, a multiple of "
+                     f"{CHUNK}) x splits ({splits})")
   want = (n // 64, k2 // (16 if fmt == "mxfp4" else 8), 64)  # one scale per block
   if scales.shape != want:
     raise ValueError(f"{fmt} scales for this weight are tiled [N/64, K/block, 64] = {want}, got "
@@ -272,9 +286,13 @@ def grouped_fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, tile_exp
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
                            tile_m=16)
+  # the last grid axis is CUDA's x (up to 2^31 blocks), the others y and z (up to 65535): the
+  # token tiles go on x when there are more (prefill)
+  grid, names = ((n // 64, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
+      (n // 64, splits, r // 16), ("n", "s", "t"))
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, r), jnp.float32),
-      grid=(n // 64, r // 16, splits), grid_names=("n", "t", "s"),
+      grid=grid, grid_names=names,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(xe_t, xo_t, codes.reshape(-1, *codes.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
@@ -328,110 +346,126 @@ def bf16_wgmma_partials(x_t, w_t, *, block_n: int = 64, block_k: int = 128, spli
   )(x_t, w_t.astype(jnp.bfloat16))
 
 
-def _tokens(x, multiple: int = 16):
-  """x [..., K] -> (bf16 [M', K] with M' the rows padded to a multiple of 16, M, lead dims)."""
+def _tokens(x):
+  """x [..., K] -> (bf16 [M', K] with M' the rows padded to 16, 32 or a multiple of 32 (whole
+  token groups), M, lead dims)."""
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16)
   m = x2.shape[0]
+  multiple = 16 if m <= 16 else TOKEN_GROUP
   return jnp.pad(x2, ((0, -m % multiple), (0, 0))), m, lead
 
 
-def tile_weight(w) -> dict:
-  """A K-major MXFP4 / NVFP4 weight ([N, K] quantized along K, `reference.transpose` of a [K, N]
-  one) -> the kernel's layout, made once when weights are packed: codes [N/64, K/64, 64, 32] and
-  scales [N/64, K/block, 64], so that each step's tiles are contiguous in shared memory (Mosaic
-  swizzles only contiguous tiles); and the global (1.0 for MXFP4)."""
-  from pallas_kernels.fp4_matmul import reference
-  reference.check_weight(w)
-  if w.axis != -1:
-    raise ValueError("tile_weight takes the K-major weight [N, K] (reference.transpose)")
-  n, k = w.shape
-  if n % 64 or k % (2 * CHUNK):
-    raise ValueError(f"the wgmma kernel needs N ({n}) divisible by 64 and K ({k}) by "
-                     f"{2 * CHUNK}")
-  codes = w.codes.reshape(n // 64, 64, k // (2 * CHUNK), CHUNK).transpose(0, 2, 1, 3)
-  scales = w.scales.reshape(n // 64, 64, -1).transpose(0, 2, 1)
-  g = jnp.float32(1.0) if w.global_scale is None else w.global_scale.reshape(())
-  return {"codes": codes, "scales": scales, "global_scale": g}
+def available() -> bool:
+  """Whether the wgmma kernels compile here: a Hopper (sm_90) GPU as the default device."""
+  if jax.default_backend() != "gpu":
+    return False
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-def tile_grouped_weight(w) -> dict:
-  """Per-expert FP4 weights [E, K, N] quantized along K (as `api.grouped_fp4_matmul` takes
-  them) -> each expert in `tile_weight`'s layout: codes [E, N/64, K/64, 64, 32], scales
-  [E, N/64, K/block, 64], globals [E] (ones for MXFP4). A layout change made once."""
-  from pallas_kernels.fp4_matmul import reference
-  reference.check_weight(w, grouped=True)
-  e, k, n = w.shape
-  if n % 64 or k % (2 * CHUNK):
-    raise ValueError(f"the wgmma kernel needs N ({n}) divisible by 64 and K ({k}) by "
-                     f"{2 * CHUNK}")
-  codes = w.codes.transpose(0, 2, 1).reshape(e, n // 64, 64, k // (2 * CHUNK), CHUNK)
-  scales = w.scales.transpose(0, 2, 1).reshape(e, n // 64, 64, -1)
-  g = (jnp.ones((e,), jnp.float32) if w.global_scale is None
-       else jnp.broadcast_to(w.global_scale.reshape(-1), (e,)).astype(jnp.float32))
-  return {"codes": codes.transpose(0, 1, 3, 2, 4), "scales": scales.transpose(0, 1, 3, 2),
-          "global_scale": g}
+SMEM_BYTES = 227 * 1024  # shared memory a block may take on the H200
 
 
-def grouped_fp4_matmul(x: jax.Array, w: dict, group_sizes: jax.Array, *, fmt: str,
-                       block_k2: int = 128, splits: int | None = None,
-                       max_concurrent_steps: int = 4, decode: str = "asm") -> jax.Array:
+def pipeline(m: int, k2: int, fmt: str, block_k2: int | None = None,
+             max_concurrent_steps: int | None = None) -> tuple[int, int]:
+  """(block_k2, steps in flight) for M token columns and K/2 packed columns: what is given, the
+  rest chosen so that the pipeline's shared memory (x's even and odd columns, codes, scales; one
+  [64, M] float32 output tile beside them) fits: the largest K step of 128, 64 or 32 packed
+  columns dividing K/2 that keeps at least three steps in flight, at most four."""
+  per_scale = 16 if fmt == "mxfp4" else 8
+
+  def steps(bk):
+    stage = 2 * bk * m * 2 + bk * ROWS + bk // per_scale * ROWS
+    return min(max_concurrent_steps or 4,
+               (SMEM_BYTES - ROWS * min(m, TOKEN_GROUP) * 4 - 4096) // stage)
+
+  if block_k2 is None:
+    fits = [bk for bk in (128, 64, 32) if k2 % bk == 0]
+    if not fits:
+      raise ValueError(f"K/2 ({k2}) must be a multiple of {CHUNK}")
+    block_k2 = next((bk for bk in fits if steps(bk) >= 3), fits[-1])
+  if steps(block_k2) < 1:
+    raise ValueError(f"block_k2 {block_k2} at M = {m} needs more shared memory than a block "
+                     f"has ({SMEM_BYTES} bytes)")
+  return block_k2, steps(block_k2)
+
+
+def _check_tiled(w, grouped: bool, name: str):
+  if not isinstance(w, TiledFP4) or w.grouped != grouped:
+    raise ValueError(f"{name} takes a {'per-expert ' if grouped else ''}weight in the kernel's "
+                     f"layout (layout.tile), got {type(w).__name__} "
+                     f"{getattr(w, 'shape', None)}")
+
+
+def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
+                       block_k2: int | None = None, splits: int | None = None,
+                       max_concurrent_steps: int | None = None,
+                       decode: str = "asm") -> jax.Array:
   """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert) for
-  weights in `tile_grouped_weight`'s layout, by the wgmma kernel (compiled Hopper only): each
-  group padded to 16-token tiles, each tile against its expert's weight -> [T, N] bf16; rows
-  past sum(group_sizes) come out zero."""
+  per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
+  kernel (compiled Hopper only): each group padded to 16-token tiles, each tile against its
+  expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero."""
   from pallas_kernels.fp4_matmul import api
-  e, n, k = w["codes"].shape[0], w["codes"].shape[1] * 64, w["codes"].shape[2] * 2 * CHUNK
+  _check_tiled(w, True, "grouped_fp4_matmul")
+  e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
     raise ValueError(f"grouped_fp4_matmul takes x [T, {k}] and group_sizes [{e}] for this "
                      f"weight, got x {x.shape} and group_sizes {group_sizes.shape}")
+  block_k2, stages = pipeline(16, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps)
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
   x2, tile_expert, dest = api._group_tiles(x, group_sizes, 16)
-  splits = splits or _splits(n // 64 * (x2.shape[0] // 16), (k // 2) // block_k2)
+  splits = splits or api.default_splits(x2.shape[0] // 16, n // ROWS, (k // 2) // block_k2,
+                                        programs=2 * 132, max_splits=8)
   partials = grouped_fp4_wgmma_partials(
-      x2[:, 0::2].T, x2[:, 1::2].T, w["codes"], w["scales"], w["global_scale"], tile_expert,
-      fmt=fmt, block_k2=block_k2, splits=splits, max_concurrent_steps=max_concurrent_steps,
+      x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales, w.global_scale, tile_expert,
+      fmt=w.kernel_fmt, block_k2=block_k2, splits=splits, max_concurrent_steps=stages,
       decode=decode)
   y = jnp.sum(partials, axis=0).T
   return y.astype(jnp.bfloat16).at[dest].get(mode="fill", fill_value=0)
 
 
-def fp4_matmul(x: jax.Array, w: dict, *, fmt: str, block_k2: int = 128,
-               splits: int | None = None, max_concurrent_steps: int = 4,
+def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
+               splits: int | None = None, max_concurrent_steps: int | None = None,
                decode: str = "asm") -> jax.Array:
-  """x [..., K] @ W -> [..., N] bf16 for a weight in `tile_weight`'s layout, by the wgmma
-  kernel (compiled Hopper only). fmt: "mxfp4" or "nvfp4"; decode: "asm" or "jnp"."""
-  n, k = w["codes"].shape[0] * 64, w["codes"].shape[1] * 2 * CHUNK
+  """x [..., K] @ W -> [..., N] bf16 for a [K, N] weight in the kernel's layout (`layout.tile`),
+  by the wgmma kernel (compiled Hopper only). Tokens go in calls of up to 256 (the instruction's
+  N); block_k2 and the steps in flight default to what fits shared memory at that M (`pipeline`).
+  decode: "asm" (PTX) or "jnp"."""
+  _check_tiled(w, False, "fp4_matmul")
+  k, n = w.shape
   x2, m, lead = _tokens(x)
   if x2.shape[1] != k:
     raise ValueError(f"x has {x2.shape[1]} features, the weight expects {k}")
+  if x2.shape[0] > MAX_M:  # calls of MAX_M tokens, one after another
+    x2 = jnp.pad(x2, ((0, -x2.shape[0] % MAX_M), (0, 0))).reshape(-1, MAX_M, k)
+  rows = x2.shape[-2]
+  block_k2, stages = pipeline(rows, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps)
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
-  splits = splits or _splits(n // 64, (k // 2) // block_k2)
-  partials = fp4_wgmma_partials(x2[:, 0::2].T, x2[:, 1::2].T, w["codes"], w["scales"],
-                                w["global_scale"], fmt=fmt, block_k2=block_k2, splits=splits,
-                                max_concurrent_steps=max_concurrent_steps, decode=decode)
-  y = jnp.sum(partials, axis=0).T[:m]
-  return y.astype(jnp.bfloat16).reshape(*lead, n)
+  from pallas_kernels.fp4_matmul import api
+  splits = splits or api.default_splits(1, n // ROWS, (k // 2) // block_k2, programs=2 * 132,
+                                        max_splits=8)
+
+  def call(xc):
+    partials = fp4_wgmma_partials(xc[:, 0::2].T, xc[:, 1::2].T, w.codes, w.scales,
+                                  w.global_scale, fmt=w.kernel_fmt, block_k2=block_k2,
+                                  splits=splits, max_concurrent_steps=stages, decode=decode)
+    return jnp.sum(partials, axis=0).T
+
+  y = call(x2) if x2.ndim == 2 else jax.lax.map(call, x2).reshape(-1, n)
+  return y[:m].astype(jnp.bfloat16).reshape(*lead, n)
 
 
 def bf16_matmul(x: jax.Array, w_t: jax.Array, *, block_n: int = 64, block_k: int = 128,
                 splits: int | None = None, max_concurrent_steps: int = 4) -> jax.Array:
   """x [..., K] @ w_t.T -> [..., N] bf16 for a K-major bf16 weight w_t [N, K], by the wgmma
   kernel (compiled Hopper only)."""
+  from pallas_kernels.fp4_matmul import api
   n, k = w_t.shape
   x2, m, lead = _tokens(x)
-  splits = splits or _splits(n // block_n, k // block_k)
+  splits = splits or api.default_splits(1, n // block_n, k // block_k, programs=2 * 132,
+                                        max_splits=8)
   partials = bf16_wgmma_partials(x2.T, w_t, block_n=block_n, block_k=block_k, splits=splits,
                                  max_concurrent_steps=max_concurrent_steps)
   return jnp.sum(partials, axis=0).T[:m].astype(jnp.bfloat16).reshape(*lead, n)
-
-
-def _splits(tiles: int, steps: int, programs: int = 2 * 132) -> int:
-  """K splits (powers of two dividing the K steps, at most 8) until the grid has a few programs
-  for each of the H200's 132 multiprocessors."""
-  splits = 1
-  while tiles * splits < programs and steps % (splits * 2) == 0 and splits < 8:
-    splits *= 2
-  return splits

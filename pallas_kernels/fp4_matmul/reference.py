@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
 from trace_jax.quant import QArray, dequantize
 
 
@@ -37,20 +38,23 @@ def transpose(w: QArray) -> QArray:
                 else w.global_scale.T, w.fmt, -1 if w.axis == -2 else -2)
 
 
-def dequantize_bf16(w: QArray) -> jax.Array:
-  """-> the bf16 [..., K, N] weight (from a K-major one too), NVFP4's global (per tensor, per
-  expert or one for all experts) folded into each value before the rounding to bf16."""
+def dequantize_bf16(w: QArray | TiledFP4) -> jax.Array:
+  """-> the bf16 [..., K, N] weight (from a K-major or a tiled one too), NVFP4's global (per
+  tensor, per expert or one for all experts) folded into each value before the rounding to
+  bf16."""
+  if isinstance(w, TiledFP4):
+    w = untile(w)
   check_weight(w, grouped=w.codes.ndim == 3)
   return dequantize(transpose(w) if w.axis == -1 else w).astype(jnp.bfloat16)
 
 
-def fp4_matmul(x: jax.Array, w: QArray) -> jax.Array:
+def fp4_matmul(x: jax.Array, w: QArray | TiledFP4) -> jax.Array:
   """x [..., K] (bf16) @ W [K, N] -> [..., N] bf16, float32 accumulation."""
   y = jnp.dot(x.astype(jnp.bfloat16), dequantize_bf16(w), preferred_element_type=jnp.float32)
   return y.astype(jnp.bfloat16)
 
 
-def grouped_fp4_matmul(x: jax.Array, w: QArray, group_sizes: jax.Array) -> jax.Array:
+def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Array) -> jax.Array:
   """MoE expert matmul: x [T, K] (rows sorted by expert, group_sizes[e] rows for expert e) @
   W[e] [K, N] -> [T, N] bf16, float32 accumulation; rows past sum(group_sizes) come out 0."""
   return grouped_bf16_matmul(x, dequantize_bf16(w), group_sizes)

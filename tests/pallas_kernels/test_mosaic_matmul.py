@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp4_matmul import kernel, mosaic, reference
+from pallas_kernels.fp4_matmul import api, kernel, layout, mosaic, reference
 from tests.pallas_kernels import ptx_emu
-from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
+from trace_jax.quant import FP8, MXFP4, NVFP4_TENSOR, quantize
 
 FORMATS = [MXFP4, NVFP4_TENSOR]
 
@@ -22,13 +22,14 @@ def kmajor_weight(seed, k, n, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_tile_weight_is_a_layout_change(fmt):
-  """Every code byte and scale lands in the tile the kernel reads for its row and K range."""
+def test_tile_is_a_layout_change(fmt):
+  """Every code byte and scale lands in the tile the kernel reads for its row and K range, and
+  `untile` gives the packed weight back, bit for bit, from either input layout."""
   n, k = 128, 256
   w = kmajor_weight(0, k, n, fmt)
-  t = mosaic.tile_weight(w)
-  codes, scales = np.asarray(t["codes"]), np.asarray(t["scales"])
-  assert codes.shape == (n // 64, k // 64, 64, 32)
+  t = layout.tile(w)
+  codes, scales = np.asarray(t.codes), np.asarray(t.scales)
+  assert codes.shape == (n // 64, k // 64, 64, 32) and t.shape == (k, n) and not t.grouped
   rows, cols = np.meshgrid(np.arange(n), np.arange(k // 2), indexing="ij")
   np.testing.assert_array_equal(codes[rows // 64, cols // 32, rows % 64, cols % 32],
                                 np.asarray(w.codes))
@@ -36,20 +37,40 @@ def test_tile_weight_is_a_layout_change(fmt):
   rows, blocks = np.meshgrid(np.arange(n), np.arange(k // block), indexing="ij")
   np.testing.assert_array_equal(scales[rows // 64, blocks, rows % 64], np.asarray(w.scales))
   want_g = 1.0 if w.global_scale is None else float(np.asarray(w.global_scale).reshape(()))
-  assert float(t["global_scale"]) == want_g
+  assert float(t.global_scale) == want_g
+  kn = reference.transpose(w)  # the [K, N] weight the rollout engine holds
+  for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(layout.tile(kn))):
+    np.testing.assert_array_equal(a, b)
+  back = layout.untile(t)
+  assert jax.tree.structure(back) == jax.tree.structure(kn)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(kn)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
 
 
-def test_tile_weight_names_what_is_wrong():
+def test_tile_names_what_is_wrong():
   w = kmajor_weight(0, 256, 128, MXFP4)
-  with pytest.raises(ValueError, match="K-major"):
-    mosaic.tile_weight(reference.transpose(w))
+  with pytest.raises(ValueError, match="QArray"):
+    layout.tile(jnp.zeros((256, 128)))
+  with pytest.raises(ValueError, match="MXFP4 and per-tensor NVFP4.*fp8"):
+    layout.tile(quantize(jnp.ones((256, 128)), FP8, axis=0))
   with pytest.raises(ValueError, match="divisible by 64"):
-    mosaic.tile_weight(kmajor_weight(0, 256, 96, MXFP4))
+    layout.tile(kmajor_weight(0, 256, 96, MXFP4))
+  with pytest.raises(ValueError, match="layout.tile"):
+    mosaic.fp4_matmul(jnp.zeros((2, 256), jnp.bfloat16), w)
   with pytest.raises(ValueError, match="features"):
-    mosaic.fp4_matmul(jnp.zeros((2, 128), jnp.bfloat16), mosaic.tile_weight(w), fmt="mxfp4")
-  with pytest.raises(ValueError, match="the other format"):  # MXFP4 tiles read as NVFP4
-    mosaic.fp4_matmul(jnp.zeros((2, 256), jnp.bfloat16), mosaic.tile_weight(w), fmt="nvfp4",
-                      block_k2=128)
+    mosaic.fp4_matmul(jnp.zeros((2, 128), jnp.bfloat16), layout.tile(w))
+  with pytest.raises(ValueError, match="shared memory"):
+    mosaic.pipeline(256, 1024, "mxfp4", block_k2=512)
+
+
+@pytest.mark.parametrize("m", [16, 32, 64, 96, 128, 192, 256])
+def test_pipeline_fits_shared_memory(m):
+  """The default K step keeps three or four steps in flight within a block's shared memory."""
+  for fmt, per_scale in (("mxfp4", 16), ("nvfp4", 8)):
+    bk, steps = mosaic.pipeline(m, 1024, fmt)
+    stage = 2 * bk * m * 2 + bk * 64 + bk // per_scale * 64
+    assert 3 <= steps <= 4 and steps * stage + 64 * min(m, 32) * 4 <= mosaic.SMEM_BYTES
 
 
 def test_pair_asm_is_the_triton_decode_of_two_bytes():
@@ -70,16 +91,17 @@ def test_pair_asm_is_the_triton_decode_of_two_bytes():
         assert pair_nv[0] == four_nv[0]
 
 
-@pytest.mark.parametrize("decode", ["asm", "jnp"])
+@pytest.mark.parametrize("decode,m", [("asm", 3), ("jnp", 3), ("asm", 40), ("asm", 256),
+                                      ("asm", 300)])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_kernels_lower_for_cuda(fmt, decode):
-  """The whole Mosaic lowering (layout inference included) for a CUDA target, from CPU."""
-  w = jax.eval_shape(lambda: mosaic.tile_weight(kmajor_weight(0, 512, 128, fmt)))
-  x = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16)
-  f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, fmt=fmt.name[:5], block_k2=128,
-                                             decode=decode))
-  assert jax.export.export(f, platforms=["cuda"])(x, w).mlir_module()
-  if decode == "jnp":
+def test_kernels_lower_for_cuda(fmt, decode, m):
+  """The whole Mosaic lowering (layout inference, wgmma's operand checks) for a CUDA target,
+  from CPU: one token group, several (40 -> 64 tokens), the most (256) and calls in sequence."""
+  w = jax.eval_shape(lambda: layout.tile(kmajor_weight(0, 512, 128, fmt)))
+  x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
+  f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, decode=decode))
+  assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
+  if decode == "jnp" or m != 3:
     return
   if fmt is MXFP4:
     g = jax.jit(lambda x, w: mosaic.bf16_matmul(x, w, block_k=128))
@@ -91,14 +113,15 @@ def test_kernels_lower_for_cuda(fmt, decode):
 @pytest.mark.parametrize("decode", ["asm", "jnp"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,k,n,block_k2", [(1, 4096, 1024, 256), (16, 2048, 768, 128),
-                                            (40, 768, 2048, 64)])
+                                            (40, 768, 2048, 64), (64, 2048, 768, None),
+                                            (256, 2048, 512, None), (300, 768, 256, None)])
 def test_fp4_kernel_on_gpu(fmt, m, k, n, block_k2, decode):
   """Compiled: the same bf16 weight values as the reference (XLA's dequantization), float32
-  sums in another order."""
+  sums in another order; one to eight token groups, and calls in sequence past 256 tokens."""
   w = kmajor_weight(m + k, k, n, fmt)
   x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
-  got = np.asarray(mosaic.fp4_matmul(x, mosaic.tile_weight(w), fmt=fmt.name[:5],
-                                     block_k2=block_k2, decode=decode), np.float32)
+  got = np.asarray(mosaic.fp4_matmul(x, layout.tile(w), block_k2=block_k2, decode=decode),
+                   np.float32)
   want = np.asarray(reference.fp4_matmul(x, w), np.float32)
   assert not np.isnan(got).any()
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
@@ -125,25 +148,55 @@ def grouped_weight(seed, e, k, n, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_tile_grouped_weight_is_each_expert_tiled(fmt):
+def test_tile_of_experts_is_each_expert_tiled(fmt):
   w = grouped_weight(0, 3, 256, 128, fmt)
-  t = mosaic.tile_grouped_weight(w)
+  t = layout.tile(w)
+  assert t.grouped and t.shape == (3, 256, 128)
   for i in range(3):
-    one = mosaic.tile_weight(reference.transpose(jax.tree.map(lambda a, i=i: a[i], w)))
-    np.testing.assert_array_equal(t["codes"][i], one["codes"])
-    np.testing.assert_array_equal(t["scales"][i], one["scales"])
-    assert float(t["global_scale"][i]) == float(one["global_scale"])
+    one = layout.tile(jax.tree.map(lambda a, i=i: a[i], w))
+    np.testing.assert_array_equal(t.codes[i], one.codes)
+    np.testing.assert_array_equal(t.scales[i], one.scales)
+    assert float(t.global_scale[i]) == float(one.global_scale)
+  back = layout.untile(t)
+  assert jax.tree.structure(back) == jax.tree.structure(w)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(w)):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_grouped_kernel_lowers_for_cuda(fmt):
-  w = jax.eval_shape(lambda: mosaic.tile_grouped_weight(grouped_weight(0, 4, 256, 128, fmt)))
+  w = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 128, fmt)))
   x = jax.ShapeDtypeStruct((20, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-  f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s, fmt=fmt.name[:5]))
+  f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s))
   assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).mlir_module()
   with pytest.raises(ValueError, match="group_sizes"):
-    mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((3,), jnp.int32), fmt="mxfp4")
+    mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="per-expert"):
+    mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), layout.tile(kmajor_weight(0, 256, 128, fmt)),
+                              jnp.zeros((4,), jnp.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_dispatch_takes_tiled_weights(fmt):
+  """`fp4_matmul` / `grouped_fp4_matmul` with a tiled weight: "xla" is the reference on the
+  packed weight; "pallas" in interpret mode (no Mosaic interpreter) runs the Triton kernel on
+  the packed weight taken back; gradients are the reference's."""
+  w = reference.transpose(kmajor_weight(3, 256, 128, fmt))
+  t = layout.tile(w)
+  x = jax.random.normal(jax.random.PRNGKey(4), (5, 256), jnp.bfloat16)
+  np.testing.assert_array_equal(api.fp4_matmul(x, t), reference.fp4_matmul(x, w))
+  kw = dict(implementation="pallas", interpret=True)
+  np.testing.assert_array_equal(api.fp4_matmul(x, t, **kw), api.fp4_matmul(x, w, **kw))
+  loss = lambda x, w: api.fp4_matmul(x, w, **kw).astype(jnp.float32).sum()
+  np.testing.assert_array_equal(jax.grad(loss)(x, t), jax.grad(loss)(x, w))
+  gw = grouped_weight(5, 3, 256, 128, fmt)
+  sizes = jnp.asarray([2, 0, 3], jnp.int32)
+  np.testing.assert_array_equal(
+      api.grouped_fp4_matmul(x, layout.tile(gw), sizes, **kw),
+      api.grouped_fp4_matmul(x, gw, sizes, **kw))
+  np.testing.assert_array_equal(api.grouped_fp4_matmul(x, layout.tile(gw), sizes),
+                                reference.grouped_fp4_matmul(x, gw, sizes))
 
 
 @pytest.mark.gpu
@@ -156,8 +209,7 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n):
   t = sum(sizes) + 3
   x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  got = np.asarray(mosaic.grouped_fp4_matmul(x, mosaic.tile_grouped_weight(w), gs,
-                                             fmt=fmt.name[:5]), np.float32)
+  got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w), gs), np.float32)
   want = np.asarray(reference.grouped_fp4_matmul(x, w, gs), np.float32)
   assert not np.isnan(got).any()
   np.testing.assert_array_equal(got[sum(sizes):], 0)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from trace_jax.models import QuantRecipe, SITES, init_params, logits, pack_weights, tiny
+from trace_jax.models.recipe import WEIGHT_AXES
 from trace_jax.rl import metrics as M
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig, pad_prompts, sample
@@ -159,10 +160,10 @@ def test_bad_prompts():
 def _kernel_rollouts(precision):
   cfg, params = policy()
   recipe = QuantRecipe.uniform(precision)
-  weights = pack_weights(cfg, params, recipe)
   tokens, lengths = pad_prompts(PROMPTS)
   out = []
   for kernels in ("xla", "pallas"):
+    weights = pack_weights(cfg, params, recipe, kernels=kernels)
     engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=6, temperature=0.0),
                            records="all", attn_chunk=16, kernels=kernels)
     out.append(engine.generate(weights, tokens, lengths, jax.random.PRNGKey(7)))
@@ -171,10 +172,11 @@ def _kernel_rollouts(precision):
 
 @pytest.mark.parametrize("precision", ["mxfp4", "nvfp4", "bf16"])
 def test_pallas_kernels_compute_what_xla_computes(precision):
-  """kernels="pallas" (interpret mode here; the same kernels compiled on a GPU): FP4 weights
-  and caches decode to the very bf16 values XLA's dequantization gives (NVFP4's global folded
-  into each value first), so only the order of float32 sums differs, and on this policy not one
-  bf16 rounding, FP4 code or token comes out differently."""
+  """kernels="pallas", weights packed for the kernels (interpret mode here, the Triton kernels
+  on the packed weights; compiled on a Hopper GPU, the Mosaic FP4 kernels on the tiled ones):
+  FP4 weights and caches decode to the very bf16 values XLA's dequantization gives (NVFP4's
+  global folded into each value first), so only the order of float32 sums differs, and on this
+  policy not one bf16 rounding, FP4 code or token comes out differently."""
   xla, pallas = _kernel_rollouts(precision)
   np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
   np.testing.assert_allclose(np.asarray(pallas.logp), np.asarray(xla.logp), atol=1e-5)
@@ -182,6 +184,29 @@ def test_pallas_kernels_compute_what_xla_computes(precision):
     for site, rec in sites.items():
       np.testing.assert_array_equal(np.asarray(pallas.records[layer][site].mant),
                                     np.asarray(rec.mant), err_msg=f"layer {layer} {site}")
+
+
+@pytest.mark.parametrize("precision", ["mxfp4", "nvfp4"])
+def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision):
+  """pack_weights(kernels="pallas") lays every FP4 projection out for the Mosaic kernels: the
+  same bytes as the plain packing, permuted (`untile` gives them back bit for bit)."""
+  from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
+  cfg, params = policy()
+  recipe = QuantRecipe.uniform(precision)
+  plain = pack_weights(cfg, params, recipe)
+  tiled = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, kernels="pallas"))(params)
+  ones = 0  # the tiled MXFP4 weights' unit globals (the kernels read one either way)
+  for layer_t, layer_p in zip(tiled.layers, plain.layers):
+    for name in WEIGHT_AXES:
+      assert isinstance(layer_t[name], TiledFP4), name
+      ones += layer_t[name].global_scale.nbytes if precision == "mxfp4" else 0
+      back = untile(layer_t[name])
+      assert jax.tree.structure(back) == jax.tree.structure(layer_p[name])
+      for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(layer_p[name])):
+        np.testing.assert_array_equal(a, b)
+  assert tiled.nbytes == plain.nbytes + ones
+  with pytest.raises(ValueError, match="kernels must be one of"):
+    pack_weights(cfg, params, recipe, kernels="mosaic")
 
 
 def test_kernel_switch_errors():

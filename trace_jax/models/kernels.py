@@ -5,8 +5,13 @@ Both compute the same numbers up to the order of float32 sums: the kernels decod
 value to the bf16 that XLA's dequantization gives (NVFP4's global folded into each block scale
 in float32 before the rounding to bf16). The kernels take MXFP4 and NVFP4 weights and caches,
 and bf16 ones (the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the
-same design); other formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA. On a
-backend other than GPU the kernels run in Pallas' interpret mode: slow, for tests.
+same design); other formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA.
+
+Which kernel runs, as measured on the H200 (BENCHMARKS.md): FP4 weights packed for the kernels
+(`weight_layout`, applied by the weight sync `pack_weights(..., kernels="pallas")`) run the
+Mosaic GPU kernels, which take them pre-tiled; weights packed plainly run the Triton ones, as do
+bf16 weights, attention and, off Hopper, everything. On a backend other than GPU the Triton
+kernels run in Pallas' interpret mode (tiled weights taken back first): slow, for tests.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.decode_attention.api import supports as supports_attention
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
+from pallas_kernels.fp4_matmul.layout import TiledFP4, tile
 from trace_jax.quant import QArray
 
 KERNELS = ("xla", "pallas")
@@ -41,9 +47,10 @@ def _divisor(n: int, choices: tuple[int, ...]) -> int | None:
   return next((c for c in choices if n % c == 0), None)
 
 
-def _fp4_tiles(w: QArray) -> dict | None:
-  """Tiles for a [K, N] (or K-major [N, K]) FP4 weight, or None where none fits."""
-  k, n = w.shape[-2:][::-1] if w.axis == -1 else w.shape[-2:]
+def _fp4_tiles(w: QArray | TiledFP4) -> dict | None:
+  """Triton tiles for a [K, N] (or K-major [N, K], or tiled) FP4 weight, or None where none
+  fits."""
+  k, n = w.shape[-2:][::-1] if getattr(w, "axis", -2) == -1 else w.shape[-2:]
   tiles = dict(block_n=_divisor(n, (64, 32, 16)), rows=_divisor(k // 2, (32, 16)))
   return None if None in tiles.values() or k % 2 else tiles
 
@@ -55,11 +62,23 @@ def _bf16_tiles(w: jax.Array) -> dict | None:
 
 
 def _tiles(w) -> dict | None:
-  """The tiles the kernels take w with, or None where they take no such weight (other formats,
-  or sizes no tile divides): then XLA computes it."""
+  """The tiles the Triton kernels take w with, or None where they take no such weight (other
+  formats, or sizes no tile divides): then XLA computes it."""
+  if isinstance(w, TiledFP4):
+    return _fp4_tiles(w)
   if isinstance(w, QArray):
     return _fp4_tiles(w) if w.fmt.name in _FP4_WEIGHTS else None
   return _bf16_tiles(w)
+
+
+def weight_layout(w):
+  """A rollout weight in the layout its kernel reads: MXFP4 / NVFP4 projections the Mosaic GPU
+  kernels take (N and K multiples of 64) tiled for them (`TiledFP4`, the same bytes permuted);
+  anything else as it is."""
+  if (isinstance(w, QArray) and w.fmt.name in _FP4_WEIGHTS and w.axis == -2
+      and w.shape[-1] % 64 == 0 and w.shape[-2] % 64 == 0):
+    return tile(w)
+  return w
 
 
 def linear(x: jax.Array, w) -> jax.Array | None:
@@ -67,7 +86,7 @@ def linear(x: jax.Array, w) -> jax.Array | None:
   tiles = _tiles(w)
   if tiles is None:
     return None
-  matmul = fp4_matmul if isinstance(w, QArray) else bf16_matmul
+  matmul = bf16_matmul if isinstance(w, jax.Array) else fp4_matmul
   return matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles)
 
 
@@ -76,7 +95,7 @@ def experts(x_MxD: jax.Array, w, group_sizes: jax.Array) -> jax.Array | None:
   tiles = _tiles(w)
   if tiles is None:
     return None
-  matmul = grouped_fp4_matmul if isinstance(w, QArray) else grouped_bf16_matmul
+  matmul = grouped_bf16_matmul if isinstance(w, jax.Array) else grouped_fp4_matmul
   return matmul(x_MxD, w, group_sizes, implementation="pallas", interpret=_interpret(), **tiles)
 
 

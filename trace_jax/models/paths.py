@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
 from trace_jax import quant
 from trace_jax.models import kernels as K
 from trace_jax.models import layers as L
@@ -112,8 +113,8 @@ class TrainPath:
                    data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class RolloutWeights:
-  """The rollout engine's weights: projections as packed `QArray`s (bf16 arrays in layers the
-  recipe leaves unquantized), embeddings and LM head in the activation dtype, router and norms
+  """The rollout engine's weights: projections as packed `QArray`s (or, packed for the kernels,
+  `TiledFP4`s; bf16 arrays in layers the recipe leaves unquantized), embeddings and LM head in the activation dtype, router and norms
   as in the master params. A different type from the params, made only by `pack_weights`."""
 
   embed: jax.Array
@@ -130,11 +131,15 @@ class RolloutWeights:
     return sum(a.size * a.dtype.itemsize for a in leaves)
 
 
-def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe) -> RolloutWeights:
-  """The weight sync: master params -> rollout weights, quantized as the recipe says.
+def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe,
+                 kernels: str = "xla") -> RolloutWeights:
+  """The weight sync: master params -> rollout weights, quantized as the recipe says; with
+  kernels="pallas", FP4 projections also laid out for the kernels that read them
+  (`kernels.weight_layout`: the same bytes, permuted, once here rather than every step).
 
   Weights are deterministic functions of the params, so the trainer's fake-quantized weights
   dequantize to exactly these values."""
+  K.check(kernels, cfg.act_dtype)
   dt = cfg.act_dtype
   layers = []
   for i, p in enumerate(params["layers"]):
@@ -145,6 +150,8 @@ def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe) -> Rollout
         packed[name] = p[name].astype(dt)
       else:
         packed[name] = _per_matrix(functools.partial(quant.quantize, fmt=fmt), p[name], name)
+        if kernels == "pallas":
+          packed[name] = K.weight_layout(packed[name])
     layers.append(packed)
   head = None if cfg.tie_embeddings else params["lm_head"].astype(dt)
   return RolloutWeights(embed=params["embed"].astype(dt), layers=layers,
@@ -153,6 +160,8 @@ def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe) -> Rollout
 
 def unpack(w) -> jax.Array:
   """A rollout weight as a dense array (packed weights dequantized to float32)."""
+  if isinstance(w, TiledFP4):
+    w = untile(w)
   return quant.dequantize(w) if isinstance(w, QArray) else w
 
 

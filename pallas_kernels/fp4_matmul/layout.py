@@ -1,0 +1,100 @@
+"""`TiledFP4`: an FP4 weight in the layout of the Mosaic GPU (wgmma) kernels, made once.
+
+The wgmma kernels (`mosaic.py`) stream a weight through shared memory in [64-row, 32-byte] code
+tiles and 64-row scale vectors, and Mosaic swizzles only contiguous shared-memory tiles, so the
+weight is stored pre-tiled: codes [(E,) N/64, K/64, 64, 32] (output rows 64 at a time, K in
+chunks of 64 values, a chunk's 64 x 32 bytes contiguous) and scales [(E,) N/64, K/block, 64].
+The tiling is a permutation of the packed bytes, done where weights are packed (the weight
+sync), never per step; `untile` gives the `QArray` back, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.quant import QArray
+from trace_jax.quant.formats import Format
+
+ROWS = 64  # output rows (N) a tile: the wgmma A operand's M
+CHUNK = 32  # code bytes a tile row: 64 K values, two MXFP4 blocks, four NVFP4 ones
+FORMATS = ("mxfp4", "nvfp4_tensor")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["codes", "scales", "global_scale"], meta_fields=["fmt"])
+@dataclasses.dataclass(frozen=True)
+class TiledFP4:
+  """An MXFP4 or per-tensor NVFP4 weight [K, N] (or per-expert [E, K, N]) quantized along K, in
+  the wgmma kernels' layout: codes uint8 [(E,) N/64, K/64, 64, 32], scales uint8
+  [(E,) N/64, K/block, 64], global_scale float32 [] (or [E]; 1 for MXFP4). Made by `tile`."""
+
+  codes: jax.Array
+  scales: jax.Array
+  global_scale: jax.Array
+  fmt: Format
+
+  @property
+  def grouped(self) -> bool:
+    return self.codes.ndim == 5
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The weight's [K, N] (or [E, K, N]), as the matmul sees it."""
+    *lead, n_tiles, k_chunks, _, _ = self.codes.shape
+    return (*lead, k_chunks * 2 * CHUNK, n_tiles * ROWS)
+
+  @property
+  def kernel_fmt(self) -> str:
+    """The kernels' name of the format: "mxfp4" or "nvfp4"."""
+    return "mxfp4" if self.fmt.name == "mxfp4" else "nvfp4"
+
+  @property
+  def nbytes(self) -> int:
+    return sum(a.size * a.dtype.itemsize for a in (self.codes, self.scales, self.global_scale))
+
+
+def _kmajor(w: QArray) -> tuple[jax.Array, jax.Array]:
+  """codes [..., N, K/2] and scales [..., N, K/block] of a [K, N] or K-major [N, K] weight."""
+  if w.axis == -1:
+    return w.codes, w.scales
+  return jnp.swapaxes(w.codes, -1, -2), jnp.swapaxes(w.scales, -1, -2)
+
+
+def tile(w: QArray) -> TiledFP4:
+  """A packed FP4 weight -> `TiledFP4` (a layout change; no value changes). Takes [K, N]
+  quantized along K (axis 0), its K-major transpose [N, K] (axis 1, `reference.transpose`), or
+  per-expert weights [E, K, N] quantized along K (NVFP4: one global per expert)."""
+  if not isinstance(w, QArray):
+    raise ValueError(f"tile takes a packed FP4 weight (QArray), got {type(w).__name__}")
+  grouped = w.codes.ndim == 3
+  if grouped and w.axis != -2 or not grouped and (w.codes.ndim != 2 or w.axis not in (-2, -1)):
+    raise ValueError(f"tile takes [K, N] or K-major [N, K] weights, or per-expert [E, K, N], "
+                     f"quantized along K; got {w.shape} quantized along axis {w.axis}")
+  if w.fmt.name not in FORMATS:
+    raise ValueError(f"the wgmma kernels take MXFP4 and per-tensor NVFP4 weights, got "
+                     f"{w.fmt.name}")
+  codes, scales = _kmajor(w)
+  *lead, n, k2 = codes.shape
+  if n % ROWS or k2 % CHUNK:
+    raise ValueError(f"the wgmma kernels need N ({n}) divisible by {ROWS} and K ({2 * k2}) by "
+                     f"{2 * CHUNK}")
+  codes = codes.reshape(*lead, n // ROWS, ROWS, k2 // CHUNK, CHUNK)
+  scales = scales.reshape(*lead, n // ROWS, ROWS, scales.shape[-1])
+  if w.global_scale is None:
+    g = jnp.ones(lead, jnp.float32)
+  else:
+    g = w.global_scale.reshape(lead).astype(jnp.float32)
+  return TiledFP4(jnp.swapaxes(codes, -3, -2), jnp.swapaxes(scales, -2, -1), g, w.fmt)
+
+
+def untile(t: TiledFP4) -> QArray:
+  """`TiledFP4` -> the packed [K, N] (or [E, K, N]) weight quantized along K it was made from."""
+  *lead, n_tiles, k_chunks, rows, chunk = t.codes.shape
+  codes = jnp.swapaxes(t.codes, -3, -2).reshape(*lead, n_tiles * rows, k_chunks * chunk)
+  scales = jnp.swapaxes(t.scales, -2, -1).reshape(*lead, n_tiles * rows, -1)
+  g = None if t.fmt.name == "mxfp4" else t.global_scale.reshape(*lead, 1, 1)
+  return QArray(jnp.swapaxes(codes, -1, -2), jnp.swapaxes(scales, -1, -2), g, t.fmt, -2)
