@@ -1,7 +1,8 @@
 """Rollout decode throughput, FP4 against BF16 in the same engine, on a few-layer qwen3_30b_a3b.
 
     python experiments/bench_rollout.py [--out=DIR] [--layers=2] [--batches=16,64,256] \
-        [--context=4080] [--steps=16] [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,...]
+        [--context=4080] [--steps=16] [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,...] \
+        [--profile]
 
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
 nvfp4; the engine's kernels: xla | pallas | triton, where "pallas" is the engine's kernel switch
@@ -36,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.fp4_matmul.bench import copy_bandwidth  # noqa: E402
+from pallas_kernels.fp4_matmul.bench import copy_bandwidth, kernel_times  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
 from trace_jax.models.config import qwen3_30b_a3b  # noqa: E402
@@ -122,8 +123,22 @@ def max_batch(precision: str, context: int, memory_bytes: float, n_layers: int =
   return int((memory_bytes - weights) // per_seq)
 
 
+def step_split(engine, weights, state, until: int, steps: int, top: int = 12) -> dict:
+  """Where a decode step's GPU time goes: microseconds per step of each kernel name in a
+  profiler trace of one decode loop (the `top` largest, the rest summed as "other"; the Pallas
+  kernels are named triton_* and *_wgmma, XLA's by their fusion), and their sum."""
+  times = kernel_times(lambda s: engine.run(weights, s, until), state)
+  if times is None:
+    return {}
+  per_step = sorted(((us / steps, name) for name, us in times.items()), reverse=True)
+  split = {name: round(us, 1) for us, name in per_step[:top]}
+  split["other"] = round(sum(us for us, _ in per_step[top:]), 1)
+  split["total"] = round(sum(us for us, _ in per_step), 1)
+  return split
+
+
 def run(layers: int, batches: list[int], context: int, steps: int, variants: list[str],
-        preset: str = "qwen3_30b_a3b") -> dict:
+        preset: str = "qwen3_30b_a3b", profile: bool = False) -> dict:
   cfg = model_preset(preset, n_layers=layers)
   copy = copy_bandwidth()
   device = jax.devices()[0]
@@ -169,6 +184,9 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       row = {"variant": variant, "batch": b, "tokens_per_s": b / seconds,
              "step_ms": seconds * 1e3, "bytes_per_step": nbytes,
              "roofline_frac": nbytes["total"] / copy / seconds, "first_call_s": compile_s}
+      if profile:
+        state = decode_state(engine, weights, b, context, steps, key)
+        row["kernels_us_per_step"] = step_split(engine, weights, state, context + steps, steps)
       result["rows"].append(row)
       print(json.dumps(row), flush=True)
   if memory and preset == "qwen3_30b_a3b":
@@ -188,6 +206,10 @@ def table(result: dict) -> str:
     lines.append(f"{r['variant']:14s} {r['batch']:4d} {r['tokens_per_s']:10.0f} "
                  f"{r['step_ms']:8.2f} {r['bytes_per_step']['total'] / 1e6:8.0f} "
                  f"{100 * r['roofline_frac']:7.1f}%")
+  for r in result["rows"]:
+    if r.get("kernels_us_per_step"):
+      lines.append(f"{r['variant']} B={r['batch']}, GPU us a step by kernel: " + ", ".join(
+          f"{name} {us}" for name, us in r["kernels_us_per_step"].items()))
   for p, b in result["max_batch"].items():
     lines.append(f"largest batch at context {result['context']}, 48 layers, "
                  f"{result['memory_bytes'] / 2**30:.0f} GiB: {p} {b}")
@@ -207,13 +229,15 @@ def main():
   parser.add_argument("--steps", type=int, default=16)
   parser.add_argument("--variants", default="bf16:xla,bf16:pallas,mxfp4:xla,mxfp4:pallas,"
                       "nvfp4:pallas")
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace one decode loop a row: GPU microseconds per step by kernel")
   args = parser.parse_args()
   variants = [v for v in args.variants.split(",") if v]
   for v in variants:
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}; choose from {VARIANTS}")
   result = run(args.layers, [int(b) for b in args.batches.split(",") if b], args.context,
-               args.steps, variants, args.preset)
+               args.steps, variants, args.preset, args.profile)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "bench_rollout.json"), "w") as fh:
     json.dump(result, fh, indent=1)

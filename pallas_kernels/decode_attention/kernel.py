@@ -138,7 +138,8 @@ def decode_attention_partials(q, mask, k_refs, v_refs, *, fmt: str, block_s: int
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   return pl.pallas_call(
       kernel, grid=(b, kv, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      input_output_aliases=aliases, compiler_params=params, interpret=interpret)(*inputs)
+      input_output_aliases=aliases, compiler_params=params, interpret=interpret,
+      name="triton_decode_attention")(*inputs)
 
 
 def combine(o, m, l):

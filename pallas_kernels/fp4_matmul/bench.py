@@ -70,13 +70,11 @@ MOSAIC_BF16 = [dict(block_k=bk, splits=sp, max_concurrent_steps=st)
 KERNELS: dict[str, float] = {}  # per kernel name: microseconds per call, of the last trace
 
 
-def device_seconds(fn, *args, calls: int = 1) -> float | None:
-  """GPU time of `fn(*args)` from a profiler trace: the summed durations of the kernels it ran on
-  the device's streams, over `calls` (the matmuls in one call of fn), without host dispatch or
-  launch gaps. None where the trace has no GPU plane (CPU). Leaves the split per kernel name in
-  KERNELS."""
+def kernel_times(fn, *args) -> dict[str, float] | None:
+  """Microseconds per kernel name (summed over launches) in a profiler trace of one call of
+  `fn(*args)` (which has run before: compiled), on the device's streams, copies and memsets
+  left out. None where the trace has no GPU plane (CPU)."""
   from jax.profiler import ProfileData
-  jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp):
       jax.block_until_ready(fn(*args))
@@ -85,10 +83,24 @@ def device_seconds(fn, *args, calls: int = 1) -> float | None:
     if plane is None:
       return None
     lines = [l for l in plane.lines if l.name.startswith("Stream")] or list(plane.lines)
-    KERNELS.clear()
+    times: dict[str, float] = {}
     for e in (e for l in lines for e in l.events):
       if not e.name.lower().startswith(("memcpy", "memset")):
-        KERNELS[e.name[:60]] = KERNELS.get(e.name[:60], 0.0) + e.duration_ns / 1e3 / calls
+        times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.duration_ns / 1e3
+  return times
+
+
+def device_seconds(fn, *args, calls: int = 1) -> float | None:
+  """GPU time of `fn(*args)` from a profiler trace: the summed durations of the kernels it ran on
+  the device's streams, over `calls` (the matmuls in one call of fn), without host dispatch or
+  launch gaps. None where the trace has no GPU plane (CPU). Leaves the split per kernel name in
+  KERNELS."""
+  jax.block_until_ready(fn(*args))
+  times = kernel_times(fn, *args)
+  if times is None:
+    return None
+  KERNELS.clear()
+  KERNELS.update({name: us / calls for name, us in times.items()})
   return sum(KERNELS.values()) / 1e6
 
 

@@ -269,6 +269,10 @@ def _compiler_params(num_warps: int, num_stages: int):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+_NAMES = {"_kernel": "triton_fp4", "_gemv_kernel": "triton_fp4_gemv",
+          "_bf16_kernel": "triton_bf16"}  # the kernels' names in profiles
+
+
 def _call(kernel, inputs, out_shape, grid, out_block, out_index, num_warps, num_stages,
           interpret, poison):
   """pallas_call with the [splits, ...] partial output; with `poison`, the output starts as a
@@ -282,7 +286,7 @@ def _call(kernel, inputs, out_shape, grid, out_block, out_index, num_warps, num_
     aliases = {len(inputs) - 1: 0}
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
-      input_output_aliases=aliases,
+      input_output_aliases=aliases, name=_NAMES[kernel.func.__name__],
       compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
       interpret=interpret)(*inputs)
 

@@ -250,6 +250,7 @@ def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode)
+  body.__name__ = "fp4_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
       grid=(n // 64, splits), grid_names=("n", "s"),
@@ -290,6 +291,7 @@ def grouped_fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, tile_exp
   # token tiles go on x when there are more (prefill)
   grid, names = ((n // 64, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
       (n // 64, splits, r // 16), ("n", "s", "t"))
+  body.__name__ = "grouped_fp4_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, r), jnp.float32),
       grid=grid, grid_names=names,
@@ -338,6 +340,7 @@ def bf16_wgmma_partials(x_t, w_t, *, block_n: int = 64, block_k: int = 128, spli
   steps = k // block_k // splits  # no more copies in flight than steps
   body = functools.partial(_bf16_body, block_n=block_n, block_k=block_k, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps))
+  body.__name__ = "bf16_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
       grid=(n // block_n, splits), grid_names=("n", "s"),
