@@ -152,7 +152,7 @@ def _group_tiles(x, group_sizes, block_m):
   zeros), each tile's expert followed by the number of tiles in use, and each row's place in
   x2, out of range past sum(group_sizes), so that reading the output back with mode="fill"
   gives those rows zeros."""
-  t, k = x.shape
+  t = x.shape[0]
   e = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
   tiles = -(-sizes // block_m)
@@ -163,10 +163,16 @@ def _group_tiles(x, group_sizes, block_m):
   expert_of_row = jnp.minimum(jnp.searchsorted(row_end, rows_i, side="right"), e - 1)
   dest = (tile_end - tiles)[expert_of_row] * block_m + rows_i - (row_end - sizes)[expert_of_row]
   dest = jnp.where(rows_i < row_end[-1], dest, n_tiles * block_m)
-  x2 = jnp.zeros((n_tiles * block_m, k), jnp.bfloat16).at[dest].set(
-      x.astype(jnp.bfloat16), mode="drop")
   tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"),
                             e - 1).astype(jnp.int32)
+  # x2 as a gather (each padded row's source row, or none), which XLA runs as one pass fused
+  # with what the kernel's layout asks next; a scatter of the rows was 4x slower on the H200
+  slot = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
+  slot_expert = tile_expert[slot // block_m]
+  offset = slot - (tile_end - tiles)[slot_expert] * block_m
+  used = (offset < sizes[slot_expert]) & (slot // block_m < tile_end[-1])
+  src = jnp.where(used, (row_end - sizes)[slot_expert] + offset, t)
+  x2 = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
   # the table's last entry: the tiles in use; the kernels skip the rest (zeros)
   return x2, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest
 

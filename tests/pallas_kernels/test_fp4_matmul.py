@@ -142,6 +142,35 @@ def test_grouped_bf16_kernel_in_interpret_mode():
   assert not np.asarray(got, np.float32)[sum(sizes):].any()  # rows past the groups
 
 
+@pytest.mark.parametrize("block_m", [8, 16])
+def test_group_tiles_places_each_group_at_its_tiles(block_m):
+  """Each expert's rows start at a tile boundary, in order, after the previous expert's tiles;
+  every other row of x2 is zero; the table lists each tile's expert and the tiles in use; dest
+  says where each row went (out of range past the groups)."""
+  from pallas_kernels.fp4_matmul.api import _group_tiles
+  rng = np.random.default_rng(block_m)
+  for _ in range(30):
+    e, t = int(rng.integers(1, 7)), int(rng.integers(1, 50))
+    used = int(rng.integers(0, t + 1))
+    cuts = np.sort(rng.integers(0, used + 1, e - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [used]])).astype(np.int32)
+    x = rng.normal(size=(t, 3)).astype(np.float32)
+    x2, table, dest = _group_tiles(jnp.asarray(x, jnp.bfloat16), jnp.asarray(sizes), block_m)
+    want = np.zeros((-(-t // block_m) + e) * block_m, np.int64) - 1  # source row of each slot
+    tile_experts, start, row = [], 0, 0
+    for expert, size in enumerate(sizes):
+      want[start * block_m:start * block_m + size] = np.arange(row, row + size)
+      tiles = -(-size // block_m)
+      tile_experts += [expert] * tiles
+      start, row = start + tiles, row + size
+    x_bf16 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(x2, np.float32),
+                                  np.where(want[:, None] >= 0, x_bf16[np.maximum(want, 0)], 0))
+    assert int(table[-1]) == start and list(np.asarray(table[:start])) == tile_experts
+    slots = np.asarray(dest)
+    assert (slots[used:] >= len(want)).all() and (want[slots[:used]] == np.arange(used)).all()
+
+
 def test_grouped_errors():
   x, w, sizes = grouped_inputs(0, 8, 256, 128, [4, 4], MXFP4)
   with pytest.raises(ValueError, match=r"group_sizes \[2\]"):
