@@ -60,12 +60,13 @@ def _decode(codes16, scale, fmt):
   return (e2m1_bf16(codes16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
-def _decode_asm(codes, rows, fmt):
-  """uint8 codes [64, CHUNK] in the A operand's layout and the scale rows of their blocks
-  ([64] each, `_scale_row`) -> the bf16 values of the low and of the high nibbles, by the PTX
-  of the Triton kernels (`kernel.E2M1_PAIR_ASM`: ~3.75 instructions a value, exact). Each
-  register holds two codes bytes of one row; which block's scale it takes is fixed by its
-  place in the layout (WGMMA: [64, 8]-column tiles, rows r and r + 8 a thread), so no select."""
+def _decode_asm(tiles, rows, fmt):
+  """uint8 codes tiles ([64, CHUNK] each, consecutive along K) in the A operand's layout and
+  the scale rows of their blocks ([64] each, `_scale_row`) -> the bf16 values of the low and of
+  the high nibbles, [64, CHUNK x tiles] each (the tiles side by side), by the PTX of the Triton
+  kernels (`kernel.E2M1_PAIR_ASM`: ~3.75 instructions a value, exact). Each register holds two
+  codes bytes of one row; which block's scale it takes is fixed by its place in the layout
+  (WGMMA: [64, 8]-column tiles, rows r and r + 8 a thread), so no select."""
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -73,12 +74,13 @@ def _decode_asm(codes, rows, fmt):
   from jaxlib.mlir.dialects import arith, llvm
 
   wgmma = plgpu.Layout.WGMMA
-  out = plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, wgmma)
+  out = plgpu.ShapeDtypeStruct((64, CHUNK * len(tiles)), jnp.bfloat16, wgmma)
   cols_per_block = (16 if fmt == "mxfp4" else 8) // 8  # [64, 8] column tiles a block
 
-  @plgpu.inline_mgpu(arg_types=(wgmma, tuple(wgmma.reduce(1) for _ in rows)),
+  @plgpu.inline_mgpu(arg_types=(tuple(wgmma for _ in tiles),
+                                tuple(wgmma.reduce(1) for _ in rows)),
                      return_type=(out, out))
-  def decode(_, codes, rows):
+  def decode(_, tiles, rows):
     i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
     # rows' registers: [rows r, r + 8] of the thread, one value each
@@ -92,19 +94,22 @@ def _decode_asm(codes, rows, fmt):
                         else (E2M1_NV_PAIR_ASM, "=r,r,r,r"))
     halves = []
     for nibble in ("lo", "hi"):
-      regs = np.empty_like(codes.registers)
-      for idx, reg in np.ndenumerate(codes.registers):
-        col_tile, row_half = idx[1], idx[4]  # registers_shape (1, C/8, 1, 1, 2, 1, 1, 1, 1)
-        s = scale_regs[col_tile // cols_per_block][row_half]
-        code = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
-        operands = [code, s] if fmt == "mxfp4" else [code, s, s]
-        regs[idx] = mgpu_utils.bitcast(
-            llvm.inline_asm(i32, operands, asm[nibble], constraints), pair)
-      halves.append(mgpu.FragmentedArray(_registers=regs, _layout=codes.layout,
-                                         _is_signed=None))
+      parts = []
+      for t, codes in enumerate(tiles):
+        regs = np.empty_like(codes.registers)
+        for idx, reg in np.ndenumerate(codes.registers):
+          col_tile, row_half = idx[1], idx[4]  # registers_shape (1, C/8, 1, 1, 2, 1, 1, 1, 1)
+          s = scale_regs[(t * (CHUNK // 8) + col_tile) // cols_per_block][row_half]
+          code = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
+          operands = [code, s] if fmt == "mxfp4" else [code, s, s]
+          regs[idx] = mgpu_utils.bitcast(
+              llvm.inline_asm(i32, operands, asm[nibble], constraints), pair)
+        parts.append(regs)
+      halves.append(mgpu.FragmentedArray(_registers=np.concatenate(parts, axis=1),
+                                         _layout=tiles[0].layout, _is_signed=None))
     return tuple(halves)
 
-  return decode(codes, tuple(rows))
+  return decode(tuple(tiles), tuple(rows))
 
 
 def _load(ref, layout):
@@ -123,15 +128,21 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
   tiles past the table's last entry (the tiles in use) do nothing.
 
-  Tokens are wgmma's N, read from shared memory in groups of up to 32 (64-byte rows: the
-  swizzle that lets one instruction take the 32 K values of a decoded chunk; 128-byte rows
-  would need 64), each group with its own accumulator: a chunk is decoded once for all."""
+  Tokens are wgmma's N. An instruction takes as many K values as x's rows in shared memory
+  have bytes over 2 (its swizzle): 32 (one decoded chunk) for up to 32 tokens, 64 beyond, where
+  two chunks are decoded side by side; the "jnp" decode takes the tokens in groups of 32
+  instead, each group with its own accumulator. Either way a chunk is decoded once for all the
+  tokens."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   *table, out_gmem = rest
   ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
   ti = jax.lax.axis_index("t") if table else 0
   m = tile_m or xe_gmem.shape[1]
-  width = min(m, TOKEN_GROUP)  # tokens a group
+  # 32 K values an instruction while x's rows are at most 64 bytes (16 or 32 tokens; the
+  # "jnp" decode at any M, in groups of 32 tokens), else 64: two chunks decoded side by side
+  wide = m > TOKEN_GROUP and decode == "asm" and block_k2 % (2 * CHUNK) == 0
+  k_tiles = 2 if wide else 1  # code tiles an instruction
+  width = m if wide else min(m, TOKEN_GROUP)  # tokens an accumulator
   groups = m // width
   per_scale = 16 if fmt == "mxfp4" else 8  # packed columns per scale
   wgmma = plgpu.Layout.WGMMA
@@ -159,15 +170,16 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   def step(_, *smem, accs):
     xe_smem, xo_smem = smem[:groups], smem[groups:2 * groups]
     codes_smem, scales_smem = smem[2 * groups:]
-    for j in range(block_k2 // CHUNK):
-      cols = pl.ds(j * CHUNK, CHUNK)
-      codes = _load(codes_smem.at[0, j], wgmma)
+    for j in range(0, block_k2 // CHUNK, k_tiles):
+      cols = pl.ds(j * CHUNK, CHUNK * k_tiles)
       if decode == "asm":
+        tiles = [_load(codes_smem.at[0, j + t], wgmma) for t in range(k_tiles)]
         per = CHUNK // per_scale
         rows = [plgpu.layout_cast(_scale_row(_load(scales_smem.at[0, j * per + b], row_l), fmt,
-                                             g), row_l) for b in range(per)]
-        lo, hi = _decode_asm(codes, rows, fmt)
+                                             g), row_l) for b in range(per * k_tiles)]
+        lo, hi = _decode_asm(tiles, rows, fmt)
       else:
+        codes = _load(codes_smem.at[0, j], wgmma)
         codes = codes.astype(jnp.uint16)
         scale = scale_tile(scales_smem, j, codes.shape)
         lo = plgpu.layout_cast(_decode(codes & 15, scale, fmt), wgmma)
@@ -383,7 +395,8 @@ def pipeline(m: int, k2: int, fmt: str, block_k2: int | None = None,
                (SMEM_BYTES - ROWS * min(m, TOKEN_GROUP) * 4 - 4096) // stage)
 
   if block_k2 is None:
-    fits = [bk for bk in (128, 64, 32) if k2 % bk == 0]
+    fits = [bk for bk in (128, 64, 32) if k2 % bk == 0]  # 64 K values an instruction above
+    fits = [bk for bk in fits if bk > CHUNK or m <= TOKEN_GROUP] or fits  # 32 tokens: 2 chunks
     if not fits:
       raise ValueError(f"K/2 ({k2}) must be a multiple of {CHUNK}")
     block_k2 = next((bk for bk in fits if steps(bk) >= 3), fits[-1])
