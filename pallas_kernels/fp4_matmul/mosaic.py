@@ -258,7 +258,7 @@ def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
   want = (n // 64, k2 // (16 if fmt == "mxfp4" else 8), 64)  # one scale per block
   if scales.shape != want:
     raise ValueError(f"{fmt} scales for this weight are tiled [N/64, K/block, 64] = {want}, got "
-                     f"{scales.shape}: a weight of the other format, or not from tile_weight")
+                     f"{scales.shape}: a weight of the other format, or not from layout.tile")
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode)
