@@ -219,10 +219,10 @@ def test_kernel_switch_errors():
 
 
 def test_kernel_switch_leaves_what_no_kernel_takes_to_xla():
-  """Formats without a kernel (fp8) and sizes the kernels' power-of-two tiles do not fit: None,
-  and the rollout path computes them with XLA."""
+  """Formats without a kernel (fp8) and sizes the kernels' power-of-two tiles (or blocks) do not
+  fit: None, and the rollout path computes them with XLA."""
   from trace_jax.models import kernels as K
-  from trace_jax.quant import FP8, MXFP4, quantize
+  from trace_jax.quant import FP8, MXFP4, make_record, quantize
   x = jnp.ones((2, 64), jnp.bfloat16)
   assert K.linear(x, jnp.ones((64, 24), jnp.bfloat16)) is None  # 24 outputs: no tile
   assert K.linear(x, quantize(jnp.ones((64, 64)), FP8, axis=0)) is None
@@ -230,3 +230,10 @@ def test_kernel_switch_leaves_what_no_kernel_takes_to_xla():
   q = jnp.ones((1, 2, 96), jnp.bfloat16)
   cache = quantize(jnp.ones((1, 64, 1, 96)), MXFP4)  # head_dim 96
   assert K.attention(q, cache, cache, jnp.ones((1, 64), bool)) is None
+  assert K.quantize(x, FP8) is None and K.quantize(jnp.ones((2, 48)), MXFP4) is None
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 64), jnp.bfloat16)
+  qa, rec = K.quantize(x, MXFP4)  # the fused kernel: the quant core's bits
+  want = quantize(x, MXFP4)
+  assert jax.tree.structure(qa) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves((qa, rec)), jax.tree.leaves((want, make_record(want)))):
+    np.testing.assert_array_equal(a, b)

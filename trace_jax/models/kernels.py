@@ -5,7 +5,9 @@ Both compute the same numbers up to the order of float32 sums: the kernels decod
 value to the bf16 that XLA's dequantization gives (NVFP4's global folded into each block scale
 in float32 before the rounding to bf16). The kernels take MXFP4 and NVFP4 weights and caches,
 and bf16 ones (the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the
-same design); other formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA.
+same design); MXFP4 and NVFP4 activations and K/V are quantized, with their records, by the
+fused quantize-and-record kernel (bit for bit the quant core's codes and records); other
+formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA.
 
 Which kernel runs, as measured on the H200 (BENCHMARKS.md): FP4 weights packed for the kernels
 (`weight_layout`, applied by the weight sync `pack_weights(..., kernels="pallas")`) run the
@@ -24,7 +26,10 @@ from pallas_kernels.decode_attention.api import supports as supports_attention
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
 from pallas_kernels.fp4_matmul.layout import TiledFP4, tile
-from trace_jax.quant import QArray
+from pallas_kernels.quantize_record import quantize_and_record
+from pallas_kernels.quantize_record.reference import FORMATS as _RECORD_FORMATS
+from trace_jax.quant import QArray, Record
+from trace_jax.quant.formats import Format
 
 KERNELS = ("xla", "pallas")
 _FP4_WEIGHTS = ("mxfp4", "nvfp4_tensor")
@@ -97,6 +102,15 @@ def experts(x_MxD: jax.Array, w, group_sizes: jax.Array) -> jax.Array | None:
     return None
   matmul = grouped_bf16_matmul if isinstance(w, jax.Array) else grouped_fp4_matmul
   return matmul(x_MxD, w, group_sizes, implementation="pallas", interpret=_interpret(), **tiles)
+
+
+def quantize(x: jax.Array, fmt: Format) -> tuple[QArray, Record] | None:
+  """x quantized along its last axis (an activation or a K/V site) and its record, by the fused
+  quantize-and-record kernel, or None where the kernel takes no such format or size; the same
+  codes, scales and record bits as `quant.quantize` and `quant.make_record`."""
+  if fmt.name not in _RECORD_FORMATS or x.shape[-1] % fmt.block_size:
+    return None
+  return quantize_and_record(x, fmt.name, implementation="pallas", interpret=_interpret())
 
 
 def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array) -> jax.Array | None:

@@ -226,9 +226,10 @@ class RolloutPath:
     fmt = self.recipe.site_format(site, layer, self.cfg.n_layers)
     if fmt is BF16:
       return x, x
-    qa = quant.quantize(x, fmt)
+    fused = K.quantize(x, fmt) if self.kernels == "pallas" else None
+    qa, rec = fused if fused is not None else (quant.quantize(x, fmt), None)
     if layer in self.record_layers:
-      _emit(self.records, layer, site, quant.make_record(qa))
+      _emit(self.records, layer, site, quant.make_record(qa) if rec is None else rec)
     if self.collect_codes:
       _emit(self.codes, layer, site, quant.element_codes(qa))
     return qa, quant.dequantize(qa).astype(x.dtype)
