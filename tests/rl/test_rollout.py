@@ -227,6 +227,9 @@ def test_kernel_switch_leaves_what_no_kernel_takes_to_xla():
   assert K.linear(x, jnp.ones((64, 24), jnp.bfloat16)) is None  # 24 outputs: no tile
   assert K.linear(x, quantize(jnp.ones((64, 64)), FP8, axis=0)) is None
   assert K.linear(x, quantize(jnp.ones((64, 64)), MXFP4, axis=0)) is not None
+  assert K.linear(x, jnp.ones((64, 64), jnp.bfloat16)) is not None
+  many = jnp.ones((K.BF16_XLA_FROM, 64), jnp.bfloat16)  # XLA's dot: faster at this many tokens
+  assert K.linear(many, jnp.ones((64, 64), jnp.bfloat16)) is None
   q = jnp.ones((1, 2, 96), jnp.bfloat16)
   cache = quantize(jnp.ones((1, 64, 1, 96)), MXFP4)  # head_dim 96
   assert K.attention(q, cache, cache, jnp.ones((1, 64), bool)) is None

@@ -1,5 +1,5 @@
-"""The rollout engine's kernel switch: its projections, expert matmuls and one-token attention
-computed by XLA ("xla") or by the Pallas kernels of `pallas_kernels` ("pallas").
+"""The rollout engine's kernel switch: its projections, expert matmuls, one-token attention and
+FP4 quantization computed by XLA ("xla") or by the Pallas kernels of `pallas_kernels` ("pallas").
 
 Both compute the same numbers up to the order of float32 sums: the kernels decode each FP4
 value to the bf16 that XLA's dequantization gives (NVFP4's global folded into each block scale
@@ -12,7 +12,8 @@ formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA.
 Which kernel runs, as measured on the H200 (BENCHMARKS.md): FP4 weights packed for the kernels
 (`weight_layout`, applied by the weight sync `pack_weights(..., kernels="pallas")`) run the
 Mosaic GPU kernels, which take them pre-tiled; weights packed plainly run the Triton ones, as do
-bf16 weights, attention and, off Hopper, everything. On a backend other than GPU the Triton
+bf16 weights (up to BF16_XLA_FROM tokens; XLA's dot past that), attention, the quantization of
+activations and K/V and, off Hopper, everything. On a backend other than GPU the Triton
 kernels run in Pallas' interpret mode (tiled weights taken back first): slow, for tests.
 """
 
@@ -86,10 +87,16 @@ def weight_layout(w):
   return w
 
 
+# from this many tokens a bf16 projection goes to XLA's dot: on the H200 the Triton bf16 kernel
+# (16-row tiles) took 78.7 / 251 us at 64 / 256 tokens on 4096 x 14336, XLA 37.2 / 51.1
+BF16_XLA_FROM = 64
+
+
 def linear(x: jax.Array, w) -> jax.Array | None:
-  """x [..., K] @ w [K, N] by a kernel, or None where no kernel takes w."""
+  """x [..., K] @ w [K, N] by a kernel, or None where no kernel takes w (or, for bf16 weights
+  from BF16_XLA_FROM tokens on, where XLA's dot is the faster one)."""
   tiles = _tiles(w)
-  if tiles is None:
+  if tiles is None or isinstance(w, jax.Array) and x.size // x.shape[-1] >= BF16_XLA_FROM:
     return None
   matmul = bf16_matmul if isinstance(w, jax.Array) else fp4_matmul
   return matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles)
