@@ -269,11 +269,7 @@ def _compiler_params(num_warps: int, num_stages: int):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-_NAMES = {"_kernel": "triton_fp4", "_gemv_kernel": "triton_fp4_gemv",
-          "_bf16_kernel": "triton_bf16"}  # the kernels' names in profiles
-
-
-def _call(kernel, inputs, out_shape, grid, out_block, out_index, num_warps, num_stages,
+def _call(name, kernel, inputs, out_shape, grid, out_block, out_index, num_warps, num_stages,
           interpret, poison):
   """pallas_call with the [splits, ...] partial output; with `poison`, the output starts as a
   NaN-filled buffer (aliased), so an element the kernel fails to write stays NaN."""
@@ -286,7 +282,7 @@ def _call(kernel, inputs, out_shape, grid, out_block, out_index, num_warps, num_
     aliases = {len(inputs) - 1: 0}
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
-      input_output_aliases=aliases, name=_NAMES[kernel.func.__name__],
+      input_output_aliases=aliases, name=name,  # the kernel's name in profiles
       compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
       interpret=interpret)(*inputs)
 
@@ -326,7 +322,7 @@ def fp4_matmul_partials(xe, xo, codes, scales, global_scale=None, *, fmt: str,
   n = codes.shape[1]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode)
-  return _call(kernel, (xe, xo, codes, scales, _globals(global_scale)),
+  return _call("triton_fp4", kernel, (xe, xo, codes, scales, _globals(global_scale)),
                jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
                num_stages, interpret, poison)
@@ -344,7 +340,8 @@ def fp4_kmajor_partials(xe_t, xo_t, codes_t, scales_t, global_scale=None, *, fmt
   n = codes_t.shape[0]
   kernel = functools.partial(_kernel, fmt=fmt, block_m=block_m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode, k_major=True)
-  return _call(kernel, (xe_t, xo_t, codes_t, scales_t, _globals(global_scale)),
+  return _call("triton_fp4_kmajor", kernel,
+               (xe_t, xo_t, codes_t, scales_t, _globals(global_scale)),
                jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
                (n // block_n, m // block_m, splits), (block_n, block_m), _NM, num_warps,
                num_stages, interpret, poison)
@@ -366,7 +363,7 @@ def grouped_fp4_partials(xe, xo, codes, scales, tile_expert, global_scale=None, 
                              rows_per_split=k2 // splits, rows=rows, decode=decode, grouped=True)
   g = _globals(global_scale)
   g = jnp.broadcast_to(g, codes.shape[:1]) if g.shape[0] == 1 else g
-  return _call(kernel, (xe, xo, codes, scales, g, tile_expert),
+  return _call("triton_fp4_grouped", kernel, (xe, xo, codes, scales, g, tile_expert),
                jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
                num_stages, interpret, poison)
@@ -383,7 +380,7 @@ def fp4_gemv_partials(xe_t, xo_t, codes, scales, global_scale=None, *, fmt: str,
   n = codes.shape[1]
   kernel = functools.partial(_gemv_kernel, fmt=fmt, m=m, block_n=block_n,
                              rows_per_split=k2 // splits, rows=rows, decode=decode)
-  return _call(kernel, (xe_t, xo_t, codes, scales, _globals(global_scale)),
+  return _call("triton_fp4_gemv", kernel, (xe_t, xo_t, codes, scales, _globals(global_scale)),
                jax.ShapeDtypeStruct((splits, m, n), jnp.float32), (n // block_n, 1, splits),
                (m, block_n), _MN, num_warps, num_stages, interpret, poison)
 
@@ -401,7 +398,7 @@ def bf16_matmul_partials(x, w, *, block_m: int = 16, block_n: int = 128, block_k
   n = w.shape[1]
   kernel = functools.partial(_bf16_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                              k_per_split=k // splits)
-  return _call(kernel, (x, w), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+  return _call("triton_bf16", kernel, (x, w), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
                num_stages, interpret, poison)
 
@@ -417,6 +414,7 @@ def grouped_bf16_partials(x, w, tile_expert, *, block_m: int = 16, block_n: int 
   n = w.shape[-1]
   kernel = functools.partial(_bf16_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
                              k_per_split=k // splits, grouped=True)
-  return _call(kernel, (x, w, tile_expert), jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+  return _call("triton_bf16_grouped", kernel, (x, w, tile_expert),
+               jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
                (n // block_n, m // block_m, splits), (block_m, block_n), _MN, num_warps,
                num_stages, interpret, poison)

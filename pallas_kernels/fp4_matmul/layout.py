@@ -5,7 +5,7 @@ tiles and 64-row scale vectors, and Mosaic swizzles only contiguous shared-memor
 weight is stored pre-tiled: codes [(E,) N/64, K/64, 64, 32] (output rows 64 at a time, K in
 chunks of 64 values, a chunk's 64 x 32 bytes contiguous) and scales [(E,) N/64, K/block, 64].
 The tiling is a permutation of the packed bytes, done where weights are packed (the weight
-sync), never per step; `untile` gives the `QArray` back, bit for bit.
+sync), never per step; `untile` gives back the [K, N] (or [E, K, N]) `QArray`, bit for bit.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def _kmajor(w: QArray) -> tuple[jax.Array, jax.Array]:
 def tile(w: QArray) -> TiledFP4:
   """A packed FP4 weight -> `TiledFP4` (a layout change; no value changes). Takes [K, N]
   quantized along K (axis 0), its K-major transpose [N, K] (axis 1, `reference.transpose`), or
-  per-expert weights [E, K, N] quantized along K (NVFP4: one global per expert)."""
+  per-expert weights [E, K, N] quantized along K (NVFP4: one global per expert, or one for all,
+  which is then repeated per expert)."""
   if not isinstance(w, QArray):
     raise ValueError(f"tile takes a packed FP4 weight (QArray), got {type(w).__name__}")
   grouped = w.codes.ndim == 3
@@ -87,12 +88,15 @@ def tile(w: QArray) -> TiledFP4:
   if w.global_scale is None:
     g = jnp.ones(lead, jnp.float32)
   else:
-    g = w.global_scale.reshape(lead).astype(jnp.float32)
+    g = w.global_scale.astype(jnp.float32)
+    g = jnp.broadcast_to(g.reshape(()), lead) if g.size == 1 else g.reshape(lead)
   return TiledFP4(jnp.swapaxes(codes, -3, -2), jnp.swapaxes(scales, -2, -1), g, w.fmt)
 
 
 def untile(t: TiledFP4) -> QArray:
-  """`TiledFP4` -> the packed [K, N] (or [E, K, N]) weight quantized along K it was made from."""
+  """`TiledFP4` -> the packed [K, N] (or [E, K, N]) weight quantized along K it was made from
+  (from a K-major [N, K] one: its [K, N] transpose; from experts sharing one NVFP4 global: that
+  global per expert)."""
   *lead, n_tiles, k_chunks, rows, chunk = t.codes.shape
   codes = jnp.swapaxes(t.codes, -3, -2).reshape(*lead, n_tiles * rows, k_chunks * chunk)
   scales = jnp.swapaxes(t.scales, -2, -1).reshape(*lead, n_tiles * rows, -1)

@@ -11,9 +11,11 @@ decodes it there and issues
     acc[64, M] += dec(codes & 15) @ x_e^T[32, M] + dec(codes >> 4) @ x_o^T[32, M]
 
 with x_e, x_o the even and odd K columns of x (B operands in shared memory). M, the tokens,
-is the instruction's N dimension: decode batches are padded to a multiple of 16 (up to 256).
-A pipeline of bulk copies streams codes, scales and x through shared memory; the grid is
-(N / 64 row tiles, K splits), whose float32 partials are summed outside, as in `kernel.py`.
+is the instruction's N dimension: padded to 16, 32 or a multiple of 32, up to 256 a call
+(longer inputs run in calls of 256); past 32 tokens two chunks are decoded side by side for
+64-K instructions (`_body`). A pipeline of bulk copies streams codes, scales and x through
+shared memory; the grid is (N / 64 row tiles, K splits), whose float32 partials are summed
+outside, as in `kernel.py`.
 
 Numerics: each value decodes to the bf16 XLA's dequantization gives it (MXFP4: E2M1 x 2^e,
 exact; NVFP4: E2M1 x (E4M3 x global) in float32, rounded once to bf16); products accumulate in
@@ -128,11 +130,12 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
   tiles past the table's last entry (the tiles in use) do nothing.
 
-  Tokens are wgmma's N. An instruction takes as many K values as x's rows in shared memory
-  have bytes over 2 (its swizzle): 32 (one decoded chunk) for up to 32 tokens, 64 beyond, where
-  two chunks are decoded side by side; the "jnp" decode takes the tokens in groups of 32
-  instead, each group with its own accumulator. Either way a chunk is decoded once for all the
-  tokens."""
+  Tokens are wgmma's N. x's rows in shared memory are swizzled by their width in bytes (up to
+  128), and an instruction must take a whole swizzle's worth of K values: 32-token rows (64
+  bytes) let one decoded chunk (32 K values) go in alone; 64 tokens and more (128-byte rows)
+  need 64, so two chunks are decoded side by side. The "jnp" decode instead takes the tokens in
+  groups of 32, each group with its own accumulator. Either way a chunk is decoded once for all
+  the tokens."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   *table, out_gmem = rest
   ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
@@ -238,9 +241,9 @@ def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
                        block_k2: int = 256, splits: int = 1, max_concurrent_steps: int = 4,
                        decode: str = "asm"):
   """x's even and odd K columns transposed (xe_t, xo_t: [K/2, M]; M 16, 32 or a multiple of 32),
-  a weight
-  in the layout of `layout.tile` (codes [N/64, K/64, 64, 32], scales [N/64, K/block, 64]),
-  NVFP4's float32 global [1] (ignored for MXFP4) -> float32 [splits, N, M] partials of y^T.
+  a weight in the layout of `layout.tile` (codes [N/64, K/64, 64, 32], scales
+  [N/64, K/block, 64]), NVFP4's float32 global [1] (ignored for MXFP4) -> float32
+  [splits, N, M] partials of y^T.
   decode: "asm" (the PTX of `_decode_asm`) or "jnp" (integer operations and a select chain)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   k2, m = xe_t.shape
@@ -384,9 +387,11 @@ SMEM_BYTES = 227 * 1024  # shared memory a block may take on the H200
 def pipeline(m: int, k2: int, fmt: str, block_k2: int | None = None,
              max_concurrent_steps: int | None = None) -> tuple[int, int]:
   """(block_k2, steps in flight) for M token columns and K/2 packed columns: what is given, the
-  rest chosen so that the pipeline's shared memory (x's even and odd columns, codes, scales; one
-  [64, M] float32 output tile beside them) fits: the largest K step of 128, 64 or 32 packed
-  columns dividing K/2 that keeps at least three steps in flight, at most four."""
+  rest chosen so that the pipeline's shared memory (x's even and odd columns, codes, scales),
+  with 4 KiB and a [64, 32] float32 tile to spare, fits: the largest K step of 128, 64 or 32
+  packed columns dividing K/2 (64 and up past 32 tokens) that keeps at least three steps in
+  flight, at most four. The output tile is staged after the pipeline's buffers are released
+  (scoped shared memory is a stack), so it does not add to them."""
   per_scale = 16 if fmt == "mxfp4" else 8
 
   def steps(bk):
@@ -408,9 +413,9 @@ def pipeline(m: int, k2: int, fmt: str, block_k2: int | None = None,
 
 def _check_tiled(w, grouped: bool, name: str):
   if not isinstance(w, TiledFP4) or w.grouped != grouped:
-    raise ValueError(f"{name} takes a {'per-expert ' if grouped else ''}weight in the kernel's "
-                     f"layout (layout.tile), got {type(w).__name__} "
-                     f"{getattr(w, 'shape', None)}")
+    what = "per-expert [E, K, N]" if grouped else "[K, N] (not per-expert)"
+    raise ValueError(f"{name} takes a {what} weight in the kernel's layout (layout.tile), got "
+                     f"{type(w).__name__} {getattr(w, 'shape', None)}")
 
 
 def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,

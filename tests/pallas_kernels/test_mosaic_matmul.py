@@ -163,6 +163,16 @@ def test_tile_of_experts_is_each_expert_tiled(fmt):
     np.testing.assert_array_equal(a, b)
 
 
+def test_tile_of_experts_sharing_one_nvfp4_global():
+  """Experts quantized as one tensor (one NVFP4 global for all): the global repeated per expert,
+  the same values."""
+  w = quantize(jax.random.normal(jax.random.PRNGKey(9), (3, 128, 64)), NVFP4_TENSOR, axis=-2)
+  assert w.global_scale.size == 1
+  t = layout.tile(w)
+  assert t.global_scale.shape == (3,) and (t.global_scale == w.global_scale.reshape(())).all()
+  np.testing.assert_array_equal(reference.dequantize_bf16(t), reference.dequantize_bf16(w))
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_grouped_kernel_lowers_for_cuda(fmt):
   w = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 128, fmt)))

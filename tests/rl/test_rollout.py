@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from trace_jax.models import QuantRecipe, SITES, init_params, logits, pack_weights, tiny
+from trace_jax.models.paths import unpack
 from trace_jax.models.recipe import WEIGHT_AXES
 from trace_jax.rl import metrics as M
 from trace_jax.rl.recompute import recompute
@@ -205,8 +206,21 @@ def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision):
       for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(layer_p[name])):
         np.testing.assert_array_equal(a, b)
   assert tiled.nbytes == plain.nbytes + ones
+  layer_t, layer_p = tiled.layers[0], plain.layers[0]  # the XLA path reads either layout
+  np.testing.assert_array_equal(unpack(layer_t["w_up"]), unpack(layer_p["w_up"]))
   with pytest.raises(ValueError, match="kernels must be one of"):
     pack_weights(cfg, params, recipe, kernels="mosaic")
+
+
+def test_weight_sync_leaves_fp4_untiled_on_gpus_without_the_mosaic_kernels(monkeypatch):
+  """There the Triton kernels run, and they would take a tiled weight back every step."""
+  from trace_jax.models import kernels as K
+  from trace_jax.quant import MXFP4, QArray, quantize
+  w = quantize(jnp.ones((128, 64)), MXFP4, axis=0)
+  assert not isinstance(K.weight_layout(w), QArray)  # here (CPU): tiled, for the tests
+  monkeypatch.setattr(K.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(K.mosaic, "available", lambda: False)
+  assert K.weight_layout(w) is w
 
 
 def test_kernel_switch_errors():

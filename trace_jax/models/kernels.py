@@ -12,8 +12,9 @@ formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA.
 Which kernel runs, as measured on the H200 (BENCHMARKS.md): FP4 weights packed for the kernels
 (`weight_layout`, applied by the weight sync `pack_weights(..., kernels="pallas")`) run the
 Mosaic GPU kernels, which take them pre-tiled; weights packed plainly run the Triton ones, as do
-bf16 weights (up to BF16_XLA_FROM tokens; XLA's dot past that), attention, the quantization of
-activations and K/V and, off Hopper, everything. On a backend other than GPU the Triton
+bf16 weights (below BF16_XLA_FROM tokens; XLA's dot from there on; bf16 experts always),
+attention, the quantization of activations and K/V and, off Hopper, everything (the weight
+sync then leaves FP4 weights untiled). On a backend other than GPU the Triton
 kernels run in Pallas' interpret mode (tiled weights taken back first): slow, for tests.
 """
 
@@ -26,6 +27,7 @@ from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.decode_attention.api import supports as supports_attention
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
+from pallas_kernels.fp4_matmul import mosaic
 from pallas_kernels.fp4_matmul.layout import TiledFP4, tile
 from pallas_kernels.quantize_record import quantize_and_record
 from pallas_kernels.quantize_record.reference import FORMATS as _RECORD_FORMATS
@@ -80,7 +82,11 @@ def _tiles(w) -> dict | None:
 def weight_layout(w):
   """A rollout weight in the layout its kernel reads: MXFP4 / NVFP4 projections the Mosaic GPU
   kernels take (N and K multiples of 64) tiled for them (`TiledFP4`, the same bytes permuted);
-  anything else as it is."""
+  anything else as it is. On a GPU without those kernels (not Hopper) nothing is tiled: the
+  Triton kernels there would take every tiled weight back each step. (Other backends tile, so
+  that the interpret-mode tests run the layout.)"""
+  if jax.default_backend() == "gpu" and not mosaic.available():
+    return w
   if (isinstance(w, QArray) and w.fmt.name in _FP4_WEIGHTS and w.axis == -2
       and w.shape[-1] % 64 == 0 and w.shape[-2] % 64 == 0):
     return tile(w)

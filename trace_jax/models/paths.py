@@ -114,8 +114,9 @@ class TrainPath:
 @dataclasses.dataclass(frozen=True)
 class RolloutWeights:
   """The rollout engine's weights: projections as packed `QArray`s (or, packed for the kernels,
-  `TiledFP4`s; bf16 arrays in layers the recipe leaves unquantized), embeddings and LM head in the activation dtype, router and norms
-  as in the master params. A different type from the params, made only by `pack_weights`."""
+  `TiledFP4`s; bf16 arrays in layers the recipe leaves unquantized), embeddings and LM head in
+  the activation dtype, router and norms as in the master params. A different type from the
+  params, made only by `pack_weights`."""
 
   embed: jax.Array
   layers: list[dict[str, Any]]
@@ -195,8 +196,9 @@ def write_slots(buffer, new, start, axis: int = 1):
 class RolloutPath:
   """The inference engine's computation for T new positions written at cache slot `start`.
 
-  `kernels`: "xla", or "pallas" for the Pallas kernels (matmuls at every T, attention when
-  T = 1, the decode step; `trace_jax.models.kernels` says which formats they take)."""
+  `kernels`: "xla", or "pallas" for the Pallas kernels (matmuls and FP4 quantization at every
+  T, attention when T = 1, the decode step; `trace_jax.models.kernels` says which formats and
+  sizes they take, and which go to XLA)."""
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, cache: list, start: jax.Array,
                q_slot_BxT: jax.Array, valid_BxS: jax.Array, record_layers: tuple[int, ...],

@@ -109,9 +109,11 @@ class RolloutEngine:
 
   `records`: "none" | "all" | "last:N" | [layer indices]. `collect_codes` also returns every
   quantized site's element codes (large; for the mismatch probe). `attn_chunk`: the sequence
-  split of flash-decoding. `kernels`: "xla", or "pallas" for the Pallas matmul and decode
-  attention kernels (GPU, or interpret mode elsewhere; `trace_jax.models.kernels` says how
-  their numbers relate to XLA's).
+  split of flash-decoding. `kernels`: "xla", or "pallas" for the Pallas matmul, decode
+  attention and quantize-and-record kernels (GPU, or interpret mode elsewhere;
+  `trace_jax.models.kernels` says which run where and how their numbers relate to XLA's); the
+  Mosaic FP4 matmuls take weights packed for them (`pack_weights(..., kernels="pallas")`),
+  plainly packed ones run the Triton kernels.
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
