@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.fp4_matmul.bench import copy_bandwidth, kernel_times  # noqa: E402
+from pallas_kernels.timing import copy_bandwidth, kernel_times  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
 from trace_jax.models.config import qwen3_30b_a3b  # noqa: E402

@@ -8,7 +8,7 @@ every slot valid. Per (batch, context): XLA's bf16 attention (the reference), th
 bf16 kernel, PyTorch's `scaled_dot_product_attention` (enable_gqa, its [B, Kv, S, Dh] layout,
 no mask) when torch sees a GPU, XLA on the dequantized MXFP4 cache, and the Pallas kernel on
 MXFP4 and NVFP4 caches over a few tile configurations. Each variant is checked against its
-reference first (rel err). Times are the kernels' device time (`fp4_matmul.bench.time_calls`)
+reference first (rel err). Times are the kernels' device time (`pallas_kernels.timing.time_calls`)
 over cache copies larger than the L2 cache; bytes count the caches (codes, scales, globals),
 the queries and the outputs. Writes decode_attention_bench.json and prints a table.
 """
@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.decode_attention import api, reference
-from pallas_kernels.fp4_matmul.bench import (KERNELS, copy_bandwidth, cuda_event_seconds,
-                                             time_calls)
+from pallas_kernels.timing import KERNELS, copy_bandwidth, cuda_event_seconds, time_calls
 from trace_jax.quant import MXFP4, NVFP4, quantize
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128

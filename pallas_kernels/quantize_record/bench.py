@@ -7,7 +7,7 @@ width), T tokens, MXFP4 and NVFP4: the quant core under XLA, the first kernel ("
 best measured tile) and the block-row kernel ("blocks") at a few tokens a program and warp
 counts (--quick: its default only). Times are the device time of every kernel the call runs,
 the strided layout's padding included, from a profiler trace (see
-pallas_kernels/fp4_matmul/bench.py; each row keeps the split per kernel); bytes count x read
+pallas_kernels/timing.py; each row keeps the split per kernel); bytes count x read
 once and the codes, record bits, scales (and NVFP4's globals) written once. Each variant is
 checked bit for bit against the core first.
 """
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fp4_matmul.bench import KERNELS, copy_bandwidth, time_calls
+from pallas_kernels.timing import KERNELS, copy_bandwidth, time_calls
 from pallas_kernels.quantize_record import quantize_and_record
 from pallas_kernels.quantize_record.kernel import default_block_t
 from trace_jax.quant import get_format
