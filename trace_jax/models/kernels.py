@@ -28,6 +28,7 @@ from pallas_kernels.decode_attention.api import supports as supports_attention
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
 from pallas_kernels.fp4_matmul import mosaic
+from pallas_kernels.fp4_matmul.layout import FORMATS as FP4_WEIGHT_FORMATS
 from pallas_kernels.fp4_matmul.layout import TiledFP4, tile
 from pallas_kernels.quantize_record import quantize_and_record
 from pallas_kernels.quantize_record.reference import FORMATS as _RECORD_FORMATS
@@ -35,7 +36,7 @@ from trace_jax.quant import QArray, Record
 from trace_jax.quant.formats import Format
 
 KERNELS = ("xla", "pallas")
-_FP4_WEIGHTS = ("mxfp4", "nvfp4_tensor")
+_FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
 _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
