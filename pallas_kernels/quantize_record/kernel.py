@@ -54,6 +54,23 @@ def e2m1_encode(y):
   return (sign | m).astype(jnp.uint8)
 
 
+# rcp.rn: the correctly rounded float32 reciprocal. Triton lowers a float32 division to
+# div.full.f32, an approximation (up to 2 ulp), which moves NVFP4's grid multiplier off XLA's
+# and rounds values on a tie the other way; MXFP4's powers of two need no division.
+_RCP_RN = "{ .reg .f32 a; mov.b32 a, $1; rcp.rn.f32 a, a; mov.b32 $0, a; }"
+
+
+def reciprocal(v, interpret: bool):
+  """1 / v (float32), correctly rounded in the compiled kernel as in the quant core."""
+  if interpret:
+    return 1.0 / v
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  out = pltriton.elementwise_inline_asm(_RCP_RN, args=[bits], constraints="=r,r", pack=1,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
+                                                                                  jnp.uint32)])
+  return jax.lax.bitcast_convert_type(out[0], jnp.float32)
+
+
 def _next_pow2(n: int) -> int:
   return 1 << (n - 1).bit_length()
 
@@ -65,8 +82,9 @@ def default_block_t(layout: str, d: int) -> int:
 
 
 def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str, block_t: int,
-                   t: int, nb: int):
+                   t: int, nb: int, interpret: bool):
   f = get_format(fmt)
+  recip = functools.partial(reciprocal, interpret=interpret)
   b = f.block_size
   nbp = _next_pow2(nb)
   t0 = pl.multiple_of(pl.program_id(0) * block_t, block_t)
@@ -94,8 +112,8 @@ def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str
   amax_TxN = jnp.max(jnp.where(finite, a, 0.0), axis=-1)
   bad_TxN = jnp.max(jnp.where(finite, 0, 1), axis=-1) > 0
   # blocks outside [T, nb] are zero: they leave NVFP4's row max unchanged and are not stored
-  scales_TxN, g_Tx1 = f.scales_from_amax(amax_TxN, bad_TxN)
-  mult_TxN = f.grid_multiplier(scales_TxN, g_Tx1)
+  scales_TxN, g_Tx1 = f.scales_from_amax(amax_TxN, bad_TxN, recip)
+  mult_TxN = f.grid_multiplier(scales_TxN, g_Tx1, recip)
   codes = e2m1_encode(x_TxNxB * mult_TxN[..., None]).astype(jnp.int32)
   pairs = codes.reshape(block_t, nbp, b // 2, 2)
   nibble_shift = jax.lax.broadcasted_iota(jnp.int32, pairs.shape, 3) * 4
@@ -109,8 +127,9 @@ def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str
 
 
 def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str, block_t: int,
-                    nb: int):
+                    nb: int, interpret: bool):
   f = get_format(fmt)
+  recip = functools.partial(reciprocal, interpret=interpret)
   b = f.block_size
   t0 = pl.multiple_of(pl.program_id(0) * block_t, block_t)
   rows = pl.ds(t0, block_t)
@@ -121,8 +140,8 @@ def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: st
     finite = ~(jnp.isnan(v) | jnp.isinf(v))
     amax = jnp.maximum(amax, jnp.where(finite, jnp.abs(v), 0.0))
     bad = bad | ~finite
-  scales, g = f.scales_from_amax(amax, bad)
-  mult = f.grid_multiplier(scales, g)
+  scales, g = f.scales_from_amax(amax, bad, recip)
+  mult = f.grid_multiplier(scales, g, recip)
   codes = [e2m1_encode(v * mult).astype(jnp.int32) for v in views]
   for j in range(0, b, 2):  # bytes 2k, 2k + 1 -> byte k: B / 2 bytes per block
     codes_ref[rows, pl.ds(j // 2, nb, stride=b // 2)] = (
@@ -161,7 +180,8 @@ def quantize_record_blocks(x_TxNxB, *, fmt: str, block_t: int, num_warps: int = 
           jax.ShapeDtypeStruct((t, nb), jnp.uint8)]
   if fmt == "nvfp4":
     outs.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
-  kernel = functools.partial(_blocks_kernel, fmt=fmt, block_t=block_t, t=t, nb=nb)
+  kernel = functools.partial(_blocks_kernel, fmt=fmt, block_t=block_t, t=t, nb=nb,
+                             interpret=interpret)
   return _call(kernel, x_TxNxB, outs, (pl.cdiv(t, block_t),), num_warps, num_stages, interpret)
 
 
@@ -176,5 +196,6 @@ def quantize_record_strided(x, *, fmt: str, block_t: int = 8, num_warps: int = 4
           jax.ShapeDtypeStruct((t, d // 8), jnp.uint8), jax.ShapeDtypeStruct((t, nb), jnp.uint8)]
   if fmt == "nvfp4":
     outs.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
-  kernel = functools.partial(_strided_kernel, fmt=fmt, block_t=block_t, nb=nb)
+  kernel = functools.partial(_strided_kernel, fmt=fmt, block_t=block_t, nb=nb,
+                             interpret=interpret)
   return _call(kernel, x, outs, (t // block_t,), num_warps, num_stages, interpret)

@@ -26,6 +26,12 @@ def _f32_reciprocal(c: float) -> np.float32:
   return np.float32(1.0) / np.float32(c)
 
 
+def reciprocal(v: jax.Array) -> jax.Array:
+  """1 / v in float32, correctly rounded: what the scale rules divide with. Kernels on a backend
+  whose float32 division is approximate (Triton's is) pass their own correctly rounded one."""
+  return 1.0 / v
+
+
 @dataclasses.dataclass(frozen=True)
 class Format:
   """A quantization format: how an axis is split into blocks and how a block is stored."""
@@ -97,13 +103,15 @@ class BlockFormat(Format):
   def scales(self, x_NxB) -> tuple[jax.Array, jax.Array | None]:
     return self.scales_from_amax(*_block_amax(x_NxB))
 
-  def scales_from_amax(self, amax_N, bad_N) -> tuple[jax.Array, jax.Array | None]:
+  def scales_from_amax(self, amax_N, bad_N,
+                       recip=reciprocal) -> tuple[jax.Array, jax.Array | None]:
     """The stored block scales (and global) from each block's max |x| over its finite values
     and whether it holds a NaN or Inf: the whole scale rule, so that kernels which reduce the
-    blocks their own way share it."""
+    blocks their own way share it. `recip`: the correctly rounded float32 reciprocal
+    (`reciprocal`, or a kernel's own)."""
     raise NotImplementedError
 
-  def grid_multiplier(self, scales_N, global_1) -> jax.Array:
+  def grid_multiplier(self, scales_N, global_1, recip=reciprocal) -> jax.Array:
     """Per block, the float32 factor that maps x onto the element grid ([..., N])."""
     raise NotImplementedError
 
@@ -175,7 +183,7 @@ class MXFP4Format(BlockFormat):
   codec = codecs.E2M1
   scale_bits = 8
 
-  def scales_from_amax(self, amax_N, bad_N):
+  def scales_from_amax(self, amax_N, bad_N, recip=reciprocal):
     # floor(log2 amax) is the unbiased exponent of amax, so the E8M0 byte is exponent - 2
     code = codecs.biased_exponent(amax_N) - 2
     if self.scale_rounding == "ceil":  # amax / 2^e > 6 exactly when amax's significand is > 1.5
@@ -185,7 +193,7 @@ class MXFP4Format(BlockFormat):
     code = jnp.clip(code, 0, 252)
     return jnp.where(bad_N, 255, code).astype(jnp.uint8), None
 
-  def grid_multiplier(self, scales_N, global_1):
+  def grid_multiplier(self, scales_N, global_1, recip=reciprocal):
     # the exact inverse power of two: 2^(127 - code) is a normal float32 for every code the
     # rule produces, where the scale itself (2^-127 for code 0) would be subnormal
     return codecs.exp2i(jnp.clip(127 - scales_N.astype(jnp.int32), -126, 127))
@@ -232,7 +240,7 @@ class NVFP4Format(BlockFormat):
   codec = codecs.E2M1
   scale_bits = 8
 
-  def scales_from_amax(self, amax_N, bad_N):
+  def scales_from_amax(self, amax_N, bad_N, recip=reciprocal):
     if self.global_scale == "row":
       amax_1 = jnp.max(amax_N, axis=-1, keepdims=True)
     else:
@@ -241,7 +249,7 @@ class NVFP4Format(BlockFormat):
     # an all-zero row takes 1 (any global works, keep it finite)
     g_1 = jnp.maximum(amax_1 * _f32_reciprocal(_NVFP4_GLOBAL_DIVISOR), _F32_TINY)
     g_1 = jnp.where(amax_1 > 0, g_1, 1.0)
-    s_N = (amax_N * _f32_reciprocal(6.0)) * (1.0 / g_1)
+    s_N = (amax_N * _f32_reciprocal(6.0)) * recip(g_1)
     s_N = jnp.clip(s_N, 0.0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
     s_N = jnp.maximum(s_N.astype(jnp.float32), _E4M3_MIN_SUBNORMAL).astype(jnp.float8_e4m3fn)
     s_N = jax.lax.bitcast_convert_type(s_N, jnp.uint8)
@@ -250,8 +258,8 @@ class NVFP4Format(BlockFormat):
   def _element_scale(self, scales_N, global_1):
     return codecs.E4M3.decode(scales_N) * global_1
 
-  def grid_multiplier(self, scales_N, global_1):
-    return 1.0 / self._element_scale(scales_N, global_1)
+  def grid_multiplier(self, scales_N, global_1, recip=reciprocal):
+    return recip(self._element_scale(scales_N, global_1))
 
   def from_grid(self, v_NxB, scales_N, global_1):
     return v_NxB * self._element_scale(scales_N, global_1)[..., None]
@@ -268,14 +276,14 @@ class FP8Format(BlockFormat):
   codec = codecs.E4M3
   scale_bits = 32
 
-  def scales_from_amax(self, amax_N, bad_N):
+  def scales_from_amax(self, amax_N, bad_N, recip=reciprocal):
     # at least the smallest normal float32, so that 1/s stays finite for tiny rows
     s_N = jnp.maximum(amax_N * _f32_reciprocal(_E4M3_MAX), _F32_TINY)
     s_N = jnp.where(amax_N > 0, s_N, 1.0)
     return jnp.where(bad_N, _NAN, s_N), None
 
-  def grid_multiplier(self, scales_N, global_1):
-    return 1.0 / scales_N  # reciprocal first, as NVFP4 does
+  def grid_multiplier(self, scales_N, global_1, recip=reciprocal):
+    return recip(scales_N)  # reciprocal first, as NVFP4 does
 
   def from_grid(self, v_NxB, scales_N, global_1):
     return v_NxB * scales_N[..., None]
