@@ -2,7 +2,7 @@
 
     python experiments/bench_rollout.py [--out=DIR] [--layers=2] [--batches=16,64,256] \
         [--context=4080] [--steps=16] [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,...] \
-        [--profile]
+        [--profile] [--hlo]
 
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
 nvfp4; the engine's kernels: xla | pallas | triton, where "pallas" is the engine's kernel switch
@@ -123,22 +123,30 @@ def max_batch(precision: str, context: int, memory_bytes: float, n_layers: int =
   return int((memory_bytes - weights) // per_seq)
 
 
-def step_split(engine, weights, state, until: int, steps: int, top: int = 12) -> dict:
+def step_split(engine, weights, state, until: int, steps: int) -> dict:
   """Where a decode step's GPU time goes: microseconds per step of each kernel name in a
-  profiler trace of one decode loop (the `top` largest, the rest summed as "other"; the Pallas
-  kernels are named triton_* and *_wgmma, XLA's by their fusion), and their sum."""
+  profiler trace of one decode loop, largest first (the Pallas kernels are named triton_* and
+  *_wgmma, XLA's by their fusion: `--hlo` writes what each fusion computes), and their sum."""
   times = kernel_times(lambda s: engine.run(weights, s, until), state)
   if times is None:
     return {}
   per_step = sorted(((us / steps, name) for name, us in times.items()), reverse=True)
-  split = {name: round(us, 1) for us, name in per_step[:top]}
-  split["other"] = round(sum(us for us, _ in per_step[top:]), 1)
+  split = {name: round(us, 1) for us, name in per_step}
   split["total"] = round(sum(us for us, _ in per_step), 1)
   return split
 
 
+def _top(split: dict, top: int = 12) -> dict:
+  """The `top` largest kernels of a `step_split`, the rest summed as "other", and the total."""
+  names = [n for n in split if n != "total"]
+  out = {n: split[n] for n in names[:top]}
+  out["other"] = round(sum(split[n] for n in names[top:]), 1)
+  out["total"] = split["total"]
+  return out
+
+
 def run(layers: int, batches: list[int], context: int, steps: int, variants: list[str],
-        preset: str = "qwen3_30b_a3b", profile: bool = False) -> dict:
+        preset: str = "qwen3_30b_a3b", profile: bool = False, hlo_dir: str | None = None) -> dict:
   cfg = model_preset(preset, n_layers=layers)
   copy = copy_bandwidth()
   device = jax.devices()[0]
@@ -187,6 +195,11 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       if profile:
         state = decode_state(engine, weights, b, context, steps, key)
         row["kernels_us_per_step"] = step_split(engine, weights, state, context + steps, steps)
+      if hlo_dir:  # the decode loop as XLA compiled it: the fusions the profile names
+        state = decode_state(engine, weights, b, context, steps, key)
+        text = engine.compiled_text(weights, state, context + steps)
+        with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
+          fh.write(text)
       result["rows"].append(row)
       print(json.dumps(row), flush=True)
   if memory and preset == "qwen3_30b_a3b":
@@ -209,7 +222,7 @@ def table(result: dict) -> str:
   for r in result["rows"]:
     if r.get("kernels_us_per_step"):
       lines.append(f"{r['variant']} B={r['batch']}, GPU us a step by kernel: " + ", ".join(
-          f"{name} {us}" for name, us in r["kernels_us_per_step"].items()))
+          f"{name} {us}" for name, us in _top(r["kernels_us_per_step"]).items()))
   for p, b in result["max_batch"].items():
     lines.append(f"largest batch at context {result['context']}, 48 layers, "
                  f"{result['memory_bytes'] / 2**30:.0f} GiB: {p} {b}")
@@ -231,14 +244,16 @@ def main():
                       "nvfp4:pallas")
   parser.add_argument("--profile", action="store_true",
                       help="also trace one decode loop a row: GPU microseconds per step by kernel")
+  parser.add_argument("--hlo", action="store_true",
+                      help="also write each row's compiled decode loop (hlo_VARIANT_B.txt)")
   args = parser.parse_args()
   variants = [v for v in args.variants.split(",") if v]
   for v in variants:
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}; choose from {VARIANTS}")
-  result = run(args.layers, [int(b) for b in args.batches.split(",") if b], args.context,
-               args.steps, variants, args.preset, args.profile)
   os.makedirs(args.out, exist_ok=True)
+  result = run(args.layers, [int(b) for b in args.batches.split(",") if b], args.context,
+               args.steps, variants, args.preset, args.profile, args.out if args.hlo else None)
   with open(os.path.join(args.out, "bench_rollout.json"), "w") as fh:
     json.dump(result, fh, indent=1)
   print(table(result))

@@ -1,10 +1,13 @@
 """Benchmark of the FP4 matmul against bf16 paths, on decode shapes, in one run.
 
-    python -m pallas_kernels.fp4_matmul.bench [--out=DIR] [--quick] [--grouped]
+    python -m pallas_kernels.fp4_matmul.bench [--out=DIR] [--quick] [--grouped] [--engine]
 
 For each shape and batch M: XLA's bf16 dot, the project's bf16 kernel, the FP4 kernel (MXFP4 and
 NVFP4, a few tile configurations), XLA's dequantize-then-dot, and PyTorch's bf16 `x @ W` when
-torch sees a GPU. With --grouped, the same for the MoE expert matmul (`run_grouped`).
+torch sees a GPU. With --grouped, the same for the MoE expert matmul (`run_grouped`). With
+--engine, each kernel only as the rollout engine calls it (its default tiles: the Triton FP4
+kernel on a plainly packed weight, the Mosaic one on a tiled weight, the Triton and Mosaic bf16
+kernels), for a table of every decode size in one run.
 Each variant is checked against its reference on fresh random inputs first.
 Times are medians over repeated runs that rotate among weight copies larger than the L2 cache;
 bandwidth counts the bytes that must move: weights (codes + scales), activations, outputs.
@@ -62,6 +65,10 @@ MOSAIC = [dict(backend="mosaic", block_k2=bk, splits=sp, max_concurrent_steps=st
 MOSAIC_SWEEP = MOSAIC + [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot")]
 MOSAIC_BF16 = [dict(block_k=bk, splits=sp, max_concurrent_steps=st)
                for bk, sp, st in [(128, None, 4), (64, None, 6), (128, 2, 3), (256, None, 3)]]
+# the kernels as the rollout engine calls them (`trace_jax.models.kernels`): the Triton FP4
+# kernel's tiles for a plainly packed weight, the Mosaic kernel's defaults for a tiled one
+ENGINE = [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot"),
+          dict(backend="mosaic")]
 
 
 def _rel(a, b) -> float:
@@ -102,7 +109,8 @@ def _record(result: dict, shape: str, m: int, variant: str, times, bytes_moved: 
 
 
 def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int] | None = None,
-        configs: list[dict] | None = None, formats: list[str] | None = None) -> dict:
+        configs: list[dict] | None = None, formats: list[str] | None = None,
+        mosaic_bf16: list[dict] = MOSAIC_BF16) -> dict:
   key = jax.random.PRNGKey(0)
   result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "copy_bytes_per_s": copy_bandwidth(0.5 if quick else 2.0), "rows": []}
@@ -135,7 +143,7 @@ def run(quick: bool = False, shapes: list[str] | None = None, batches: list[int]
                              _rel(jax.jit(g)(x, w16[0]), ref16)), "pallas bf16")
       if any(c.get("backend") == "mosaic" for c in configs):
         w16t = [w.T for w in w16]  # K-major, outside the timing
-        for cfg in MOSAIC_BF16:
+        for cfg in mosaic_bf16:
           g = lambda a, b, cfg=cfg: mosaic.bf16_matmul(a, b, **cfg)
           attempt(lambda g=g, cfg=cfg: record("mosaic bf16", time_calls(g, x, w16t), k * n * 2,
                                               _rel(jax.jit(g)(x, w16t[0]), ref16), cfg),
@@ -211,12 +219,14 @@ def torch_grouped(x, w, group_sizes, copies: int, ref) -> tuple[float, float] | 
 
 
 def run_grouped(quick: bool = False, shapes: list[str] | None = None,
-                batches: list[int] | None = None, formats: list[str] | None = None) -> dict:
+                batches: list[int] | None = None, formats: list[str] | None = None,
+                engine: bool = False) -> dict:
   """The MoE expert matmul of qwen3_30b_a3b at decode, per projection and batch M (T = TOP_K x M
   routed rows): XLA's ragged_dot and the project's kernel in bf16, JAX's Mosaic GPU grouped
   kernel in bf16 (each of MOSAIC_GROUPED_BF16), torch's _grouped_mm, and MXFP4 / NVFP4 by XLA
   (dequantize + ragged_dot), by the Triton kernel with its default tiles and by the project's
-  Mosaic kernel (each of MOSAIC_GROUPED_FP4). Bytes moved count
+  Mosaic kernel (each of MOSAIC_GROUPED_FP4; `engine`: its defaults only, and none of JAX's
+  kernel, as the rollout engine runs them). Bytes moved count
   the weights of the experts hit (distinct among the routed rows), activations and outputs;
   each xla row is the reference of the rows after it."""
   key = jax.random.PRNGKey(0)
@@ -235,7 +245,8 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         packed[f.name].append(quantize(w32, f, axis=-2))
     del w32
     w16t = ([jnp.swapaxes(w, 1, 2) for w in w16]  # [E, N, K], outside the timing
-            if any(c.get("transpose_rhs") for c in MOSAIC_GROUPED_BF16) else None)
+            if not engine and any(c.get("transpose_rhs") for c in MOSAIC_GROUPED_BF16)
+            else None)
     for m in batches or (BATCHES[:2] if quick else BATCHES):
       t = TOP_K * m
       xs = (jax.random.normal(jax.random.fold_in(kx, m), (t, k), jnp.bfloat16),
@@ -257,7 +268,7 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
       for variant, fn in (("xla bf16 ragged_dot", xla16), ("pallas bf16", pallas16)):
         _attempt(result, f"{name} M={m} {variant}",
                  lambda: row(variant, fn, w16, k * n * 2, "bf16"))
-      for cfg in MOSAIC_GROUPED_BF16:
+      for cfg in [] if engine else MOSAIC_GROUPED_BF16:
         mgpu16 = lambda a, w, cfg=cfg: mosaic_grouped_baseline.grouped_bf16_matmul(
             a[0], w, a[1], **cfg)
         _attempt(result, f"{name} M={m} mosaic bf16 ragged_dot_mgpu {cfg}",
@@ -277,7 +288,7 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
           _attempt(result, f"{name} M={m} {variant}",
                    lambda: row(variant, fn, ws, ws[0].nbytes / EXPERTS, fmt))
         tiled = [layout.tile(w) for w in ws]  # outside the timing
-        for cfg in MOSAIC_GROUPED_FP4:
+        for cfg in [{}] if engine else MOSAIC_GROUPED_FP4:
           mgpu4 = lambda a, w, cfg=cfg: mosaic.grouped_fp4_matmul(a[0], w, a[1], **cfg)
           _attempt(result, f"{name} M={m} mosaic {fmt} {cfg}",
                    lambda: row(f"mosaic {fmt}", mgpu4, tiled, ws[0].nbytes / EXPERTS, fmt, cfg))
@@ -425,6 +436,8 @@ def main():
                       help="tile configs of the few-row (gemv) kernel, and a few of the dot one")
   parser.add_argument("--grouped", action="store_true",
                       help="the MoE expert matmul (qwen3_30b_a3b: 128 experts, top-8) instead")
+  parser.add_argument("--engine", action="store_true",
+                      help="each kernel only as the rollout engine calls it (default tiles)")
   parser.add_argument("--load_probe", action="store_true",
                       help="only the load-throughput probe (uint8 / uint32 / uint16 tiles)")
   parser.add_argument("--bf16_sweep", action="store_true",
@@ -445,7 +458,11 @@ def main():
   batches = [int(b) for b in args.batches.split(",") if b]
   formats = [f for f in args.formats.split(",") if f]
   if args.grouped:
-    result, path = run_grouped(args.quick, shapes, batches, formats), "fp4_matmul_grouped.json"
+    result = run_grouped(args.quick, shapes, batches, formats, args.engine)
+    path = "fp4_matmul_grouped.json"
+  elif args.engine:
+    result = run(args.quick, shapes, batches, ENGINE, formats, MOSAIC_BF16[:1])
+    path = "fp4_matmul_bench.json"
   else:
     result = run(args.quick, shapes, batches,
                  MOSAIC_SWEEP if args.mosaic_sweep

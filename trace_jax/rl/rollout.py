@@ -153,6 +153,11 @@ class RolloutEngine:
                        f"{state['tokens'].shape[1] - 1}]")
     return self._decode_jit(weights, {**state, "limit": jnp.asarray(until, jnp.int32)})
 
+  def compiled_text(self, weights, state: dict, until: int) -> str:
+    """The optimized HLO of `run`'s decode loop for these shapes (what XLA fused, by name)."""
+    lowered = self._decode_jit.lower(weights, {**state, "limit": jnp.asarray(until, jnp.int32)})
+    return lowered.compile().as_text()
+
   def extend(self, weights, state: dict, tokens_BxT) -> dict:
     """Appends environment tokens (an observation: in the cache and the records, never in the
     response mask) after the last sampled token, then samples the next policy token."""
