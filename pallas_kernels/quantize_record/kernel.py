@@ -57,18 +57,17 @@ def e2m1_encode(y):
 # rcp.rn: the correctly rounded float32 reciprocal. Triton lowers a float32 division to
 # div.full.f32, an approximation (up to 2 ulp), which moves NVFP4's grid multiplier off XLA's
 # and rounds values on a tie the other way; MXFP4's powers of two need no division.
-_RCP_RN = "{ .reg .f32 a; mov.b32 a, $1; rcp.rn.f32 a, a; mov.b32 $0, a; }"
+_RCP_RN = "rcp.rn.f32 $0, $1;"
 
 
 def reciprocal(v, interpret: bool):
   """1 / v (float32), correctly rounded in the compiled kernel as in the quant core."""
   if interpret:
     return 1.0 / v
-  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-  out = pltriton.elementwise_inline_asm(_RCP_RN, args=[bits], constraints="=r,r", pack=1,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
-                                                                                  jnp.uint32)])
-  return jax.lax.bitcast_convert_type(out[0], jnp.float32)
+  out = pltriton.elementwise_inline_asm(
+      _RCP_RN, args=[v.astype(jnp.float32)], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.float32)])
+  return out[0]
 
 
 def _next_pow2(n: int) -> int:
