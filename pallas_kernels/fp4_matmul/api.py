@@ -146,13 +146,13 @@ def _check_grouped(name, x, w_shape, group_sizes):
                      f"got x {x.shape} and group_sizes {group_sizes.shape}")
 
 
-def _group_tiles(x, group_sizes, block_m):
-  """Rows sorted by expert -> (x2, tile_expert, dest): x in bf16 with each group padded to whole
-  block_m-row tiles (at most ceil(T / block_m) + E tiles, a static bound; unused tiles hold
-  zeros), each tile's expert followed by the number of tiles in use, and each row's place in
-  x2, out of range past sum(group_sizes), so that reading the output back with mode="fill"
-  gives those rows zeros."""
-  t = x.shape[0]
+def tile_rows(group_sizes, t: int, block_m: int):
+  """Where T rows sorted by expert go when each group is padded to whole block_m-row tiles (at
+  most ceil(T / block_m) + E tiles, a static bound):
+  (src [tiles x block_m]: each padded row's source row, T (out of range) where it holds none;
+  tile_expert [tiles + 1]: each tile's expert, then the number of tiles in use;
+  dest [T]: each row's place among the padded rows, out of range past sum(group_sizes), so that
+  reading an output back with mode="fill" gives those rows zeros)."""
   e = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
   tiles = -(-sizes // block_m)
@@ -165,16 +165,23 @@ def _group_tiles(x, group_sizes, block_m):
   dest = jnp.where(rows_i < row_end[-1], dest, n_tiles * block_m)
   tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"),
                             e - 1).astype(jnp.int32)
-  # x2 as a gather (each padded row's source row, or none), which XLA runs as one pass fused
-  # with what the kernel's layout asks next; a scatter of the rows was 4x slower on the H200
   slot = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
   slot_expert = tile_expert[slot // block_m]
   offset = slot - (tile_end - tiles)[slot_expert] * block_m
   used = (offset < sizes[slot_expert]) & (slot // block_m < tile_end[-1])
   src = jnp.where(used, (row_end - sizes)[slot_expert] + offset, t)
-  x2 = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
   # the table's last entry: the tiles in use; the kernels skip the rest (zeros)
-  return x2, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest
+  return src, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest
+
+
+def _group_tiles(x, group_sizes, block_m):
+  """Rows sorted by expert -> (x2, tile_expert, dest) of `tile_rows`, x2 in bf16 with each group
+  padded to whole block_m-row tiles (unused rows zero). x2 is a gather (each padded row's source
+  row, or none), which XLA runs as one pass fused with what the kernel's layout asks next; a
+  scatter of the rows was 4x slower on the H200."""
+  src, tile_expert, dest = tile_rows(group_sizes, x.shape[0], block_m)
+  x2 = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
+  return x2, tile_expert, dest
 
 
 @reference_vjp(reference.grouped_fp4_matmul)

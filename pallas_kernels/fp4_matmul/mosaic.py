@@ -435,15 +435,26 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   block_k2, stages = pipeline(16, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps)
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
-  x2, tile_expert, dest = api._group_tiles(x, group_sizes, 16)
-  splits = splits or api.default_splits(x2.shape[0] // 16, n // ROWS, (k // 2) // block_k2,
+  src, tile_expert, dest = api.tile_rows(group_sizes, x.shape[0], 16)
+  # x^T in a pass of its own (a tiled transpose), then the padded rows gathered as its columns:
+  # gathered and transposed in one pass, x's rows were read across the transpose, which took
+  # 46 us for 2048 rows of 2048 features on the H200
+  xt = jax.lax.optimization_barrier(x.astype(jnp.bfloat16).T)
+  xt = jnp.take(xt, src, axis=1, mode="fill", fill_value=0)  # [K, 16 x tiles]
+  splits = splits or api.default_splits(xt.shape[1] // 16, n // ROWS, (k // 2) // block_k2,
                                         programs=2 * 132, max_splits=8)
   partials = grouped_fp4_wgmma_partials(
-      x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales, w.global_scale, tile_expert,
-      fmt=w.kernel_fmt, block_k2=block_k2, splits=splits, max_concurrent_steps=stages,
-      decode=decode)
-  y = jnp.sum(partials, axis=0).T
-  return y.astype(jnp.bfloat16).at[dest].get(mode="fill", fill_value=0)
+      xt[0::2], xt[1::2], w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt,
+      block_k2=block_k2, splits=splits, max_concurrent_steps=stages, decode=decode)
+  # likewise out: each row's column of y^T gathered (along memory) in bf16, then transposed
+  y_t = jnp.sum(partials, axis=0).astype(jnp.bfloat16)
+  return _transposed(jnp.take(y_t, dest, axis=1, mode="fill", fill_value=0))
+
+
+def _transposed(y_t):
+  """y^T [N, M] -> y [M, N], by a transpose pass of its own (not fused with what made y^T, which
+  would read y^T across the transpose)."""
+  return jax.lax.optimization_barrier(y_t).T
 
 
 def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
@@ -468,14 +479,15 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
   splits = splits or api.default_splits(1, n // ROWS, (k // 2) // block_k2, programs=2 * 132,
                                         max_splits=8)
 
-  def call(xc):
-    partials = fp4_wgmma_partials(xc[:, 0::2].T, xc[:, 1::2].T, w.codes, w.scales,
-                                  w.global_scale, fmt=w.kernel_fmt, block_k2=block_k2,
-                                  splits=splits, max_concurrent_steps=stages, decode=decode)
-    return jnp.sum(partials, axis=0).T
+  def call(xc):  # -> y^T [N, tokens] in bf16
+    xt = xc.T
+    partials = fp4_wgmma_partials(xt[0::2], xt[1::2], w.codes, w.scales, w.global_scale,
+                                  fmt=w.kernel_fmt, block_k2=block_k2, splits=splits,
+                                  max_concurrent_steps=stages, decode=decode)
+    return jnp.sum(partials, axis=0).astype(jnp.bfloat16)
 
-  y = call(x2) if x2.ndim == 2 else jax.lax.map(call, x2).reshape(-1, n)
-  return y[:m].astype(jnp.bfloat16).reshape(*lead, n)
+  y_t = call(x2) if x2.ndim == 2 else jnp.moveaxis(jax.lax.map(call, x2), 0, 1).reshape(n, -1)
+  return _transposed(y_t)[:m].reshape(*lead, n)
 
 
 def bf16_matmul(x: jax.Array, w_t: jax.Array, *, block_n: int = 64, block_k: int = 128,

@@ -238,3 +238,55 @@ def test_jax_grouped_baseline_lowers_for_cuda():
     f = jax.jit(lambda x, w, s, cfg=cfg:
                 mosaic_grouped_baseline.grouped_bf16_matmul(x, w, s, **cfg))
     assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).out_avals[0].shape == (t, n)
+
+
+def _emulated_partials(w_dense, grouped: bool):
+  """What the wgmma kernels compute, in jnp, for a weight known as its dequantized bf16 values
+  w_dense ([K, N] or [E, K, N]): y^T from x's even and odd K columns transposed, as `splits`
+  partials; the columns of unused token tiles NaN (poison: the wrappers must not read them)."""
+  w32 = jnp.asarray(w_dense, jnp.float32)
+
+  def partials(xe_t, xo_t, codes, scales, global_scale, *table, splits, **kw):
+    k2, r = xe_t.shape
+    xt = jnp.stack([xe_t, xo_t], axis=1).reshape(2 * k2, r).astype(jnp.float32)
+    if not grouped:
+      y_t = w32.T @ xt
+    else:
+      tile_expert, = table
+      tile = jnp.arange(r) // 16
+      y_t = jnp.einsum("rkn,kr->nr", w32[tile_expert[tile]], xt)
+      y_t = jnp.where(tile < tile_expert[-1], y_t, jnp.nan)
+    return jnp.broadcast_to(y_t / splits, (splits, *y_t.shape))  # exact: splits a power of 2
+
+  return partials
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_wrappers_around_the_kernels_move_rows_right(fmt, monkeypatch):
+  """`mosaic.fp4_matmul` and `mosaic.grouped_fp4_matmul` around an emulation of their kernels
+  (Mosaic has no interpret mode): tokens padded, transposed and split into even and odd K
+  columns, calls of 256 tokens, rows padded to tiles and gathered back, partials summed, as the
+  reference computes (up to float32 sum order)."""
+  from trace_jax.quant import dequantize
+
+  def check(got, want, valid):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[valid:], 0)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+    assert np.mean(got != want) < 0.05
+
+  w = reference.transpose(kmajor_weight(7, 256, 128, fmt))  # [K, N]
+  monkeypatch.setattr(mosaic, "fp4_wgmma_partials",
+                      _emulated_partials(dequantize(w).astype(jnp.bfloat16), grouped=False))
+  for m in (5, 40, 300):  # one token group, the wide path's M, calls of 256
+    x = jax.random.normal(jax.random.PRNGKey(m), (m, 256), jnp.bfloat16)
+    check(mosaic.fp4_matmul(x, layout.tile(w), splits=2), reference.fp4_matmul(x, w), m)
+  gw = grouped_weight(8, 4, 256, 128, fmt)
+  monkeypatch.setattr(mosaic, "grouped_fp4_wgmma_partials",
+                      _emulated_partials(dequantize(gw).astype(jnp.bfloat16), grouped=True))
+  sizes = (5, 0, 17, 1)
+  x = jax.random.normal(jax.random.PRNGKey(9), (sum(sizes) + 3, 256), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  check(mosaic.grouped_fp4_matmul(x, layout.tile(gw), gs, splits=2),
+        reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
