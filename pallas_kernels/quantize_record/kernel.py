@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from trace_jax.quant import get_format
+from trace_jax.quant import codecs, get_format
 
 LAYOUTS = ("blocks", "strided")
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -54,16 +54,16 @@ def e2m1_encode(y):
   return (sign | m).astype(jnp.uint8)
 
 
-# rcp.rn: the correctly rounded float32 reciprocal. Triton lowers a float32 division to
-# div.full.f32, an approximation (up to 2 ulp), which moves NVFP4's grid multiplier off XLA's
-# and rounds values on a tie the other way; MXFP4's powers of two need no division.
+# rcp.rn: the correctly rounded float32 reciprocal, in one instruction, as the scale rules take
+# it (the quant core's `codecs.reciprocal` gets it from XLA's approximate GPU division by a
+# correction in integers; interpret mode runs that)
 _RCP_RN = "rcp.rn.f32 $0, $1;"
 
 
 def reciprocal(v, interpret: bool):
-  """1 / v (float32), correctly rounded in the compiled kernel as in the quant core."""
+  """1 / v (float32), correctly rounded, as the quant core computes it."""
   if interpret:
-    return 1.0 / v
+    return codecs.reciprocal(v)
   out = pltriton.elementwise_inline_asm(
       _RCP_RN, args=[v.astype(jnp.float32)], constraints="=f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.float32)])

@@ -117,6 +117,6 @@ def test_kernel_on_gpu_is_bit_exact(fmt, layout, shape):
   x = hostile(jax.random.PRNGKey(7), (shape[0] + 3, shape[1]))  # T not a multiple of block_t
   assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout, block_t=8),
               quantize_and_record(x, fmt))
-  x = tie_rich(jax.random.PRNGKey(11), shape).astype(jnp.bfloat16)  # divides correctly rounded
+  x = tie_rich(jax.random.PRNGKey(11), shape).astype(jnp.bfloat16)  # reciprocals rounded right
   assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout),
               quantize_and_record(x, fmt))

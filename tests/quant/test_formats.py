@@ -85,6 +85,37 @@ def test_nvfp4_bit_exact(seed, tensor, rows, blocks, bf16):
   np.testing.assert_array_equal(np.broadcast_to(np.asarray(qa.global_scale), g.shape), g)
 
 
+def test_round_reciprocal_corrects_estimates_within_two_ulp():
+  """What XLA's GPU division gives (a few ulp off) comes back correctly rounded, across binades,
+  at their edges and for both signs."""
+  rng = np.random.default_rng(0)
+  edges = np.float32(2.0) ** np.arange(-120, 120, dtype=np.float32)
+  v = np.concatenate([rng.uniform(1e-3, 1e3, 1 << 16).astype(np.float32), edges,
+                      np.nextafter(edges, np.float32(0)), 3 * edges])
+  v = np.concatenate([v, -v[:1000]])
+  want = (np.float32(1) / v).view(np.int32)
+  for off in (-2, -1, 0, 1, 2):
+    got = codecs.round_reciprocal(jnp.asarray(v), jnp.asarray((want + off).view(np.float32)))
+    np.testing.assert_array_equal(np.asarray(got).view(np.int32), want, err_msg=f"{off} ulp")
+
+
+@pytest.mark.parametrize("device", ["default", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_reciprocals_and_nvfp4_ties_match_numpy(device):
+  """On the default device (-m gpu: the GPU, whose division XLA approximates): the reciprocal is
+  numpy's, and NVFP4 of values whose x / scale lands on E2M1 midpoints (small integer multiples
+  of a power of two a row) is the numpy reference's, codes and scales."""
+  rng = np.random.default_rng(1)
+  v = rng.uniform(1e-3, 1e3, 1 << 16).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(codecs.reciprocal(jnp.asarray(v))), np.float32(1) / v)
+  x = rng.integers(-12, 13, (64, 1024)) * np.exp2(rng.integers(-10, 10, (64, 1)))
+  x = x.astype(ml_dtypes.bfloat16)
+  for fmt, tensor in ((NVFP4, False), (NVFP4_TENSOR, True)):
+    qa = quantize(jnp.asarray(x), fmt)
+    codes, scales, _ = ref.nvfp4(x.astype(np.float32), tensor_global=tensor)
+    np.testing.assert_array_equal(unpacked(qa), codes)
+    np.testing.assert_array_equal(np.asarray(qa.scales), scales)
+
+
 @given(seed=seeds, rows=st.sampled_from([1, 3]), n=st.sampled_from([8, 200]))
 def test_fp8_bit_exact(seed, rows, n):
   x = spanning(np.random.default_rng(seed), rows, n, block=8)

@@ -18,18 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.quant import codecs
+from trace_jax.quant.codecs import reciprocal
 
 _NAN = float("nan")
 
 
 def _f32_reciprocal(c: float) -> np.float32:
   return np.float32(1.0) / np.float32(c)
-
-
-def reciprocal(v: jax.Array) -> jax.Array:
-  """1 / v in float32, correctly rounded: what the scale rules divide with. Kernels on a backend
-  whose float32 division is approximate (Triton's is) pass their own correctly rounded one."""
-  return 1.0 / v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +103,7 @@ class BlockFormat(Format):
     """The stored block scales (and global) from each block's max |x| over its finite values
     and whether it holds a NaN or Inf: the whole scale rule, so that kernels which reduce the
     blocks their own way share it. `recip`: the correctly rounded float32 reciprocal
-    (`reciprocal`, or a kernel's own)."""
+    (`codecs.reciprocal`, or a kernel's own)."""
     raise NotImplementedError
 
   def grid_multiplier(self, scales_N, global_1, recip=reciprocal) -> jax.Array:
@@ -224,8 +219,9 @@ class NVFP4Format(BlockFormat):
   Every division by a constant or a broadcast scale is written as a multiplication by a float32
   reciprocal, the way kernels compute it (and the way XLA's CPU compiler rewrites such divisions
   anyway): g = amax * f32(1/2688), s = RN_e4m3((amax_block * f32(1/6)) * (1/g)),
-  element = RNE_e2m1(x * (1/(s*g))). That makes the bytes the same on every backend. g is at
-  least 2^-126 (the smallest normal float32), so tiny rows are not flushed to zero.
+  element = RNE_e2m1(x * (1/(s*g))), each reciprocal correctly rounded (`codecs.reciprocal`:
+  XLA's GPU division is not). That makes the bytes the same on every backend. g is at least
+  2^-126 (the smallest normal float32), so tiny rows are not flushed to zero.
   """
 
   name: str = "nvfp4"
