@@ -6,8 +6,9 @@ For each shape and batch M: XLA's bf16 dot, the project's bf16 kernel, the FP4 k
 NVFP4, a few tile configurations), XLA's dequantize-then-dot, and PyTorch's bf16 `x @ W` when
 torch sees a GPU. With --grouped, the same for the MoE expert matmul (`run_grouped`). With
 --engine, each kernel only as the rollout engine calls it (its default tiles: the Triton FP4
-kernel on a plainly packed weight, the Mosaic one on a tiled weight, the Triton and Mosaic bf16
-kernels), for a table of every decode size in one run.
+kernel on a plainly packed weight, the Mosaic one on a tiled weight, the Triton bf16 kernel; the
+Mosaic bf16 kernel, which the engine does not run, with its default tiles for comparison), for
+a table of every decode size in one run.
 Each variant is checked against its reference on fresh random inputs first.
 Times are medians over repeated runs that rotate among weight copies larger than the L2 cache;
 bandwidth counts the bytes that must move: weights (codes + scales), activations, outputs.

@@ -437,8 +437,9 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
   src, tile_expert, dest = api.tile_rows(group_sizes, x.shape[0], 16)
   # x^T in a pass of its own (a tiled transpose), then the padded rows gathered as its columns:
-  # gathered and transposed in one pass, x's rows were read across the transpose, which took
-  # 46 us for 2048 rows of 2048 features on the H200
+  # gathered and transposed in one fused pass, x's rows were read across the transpose (46 us
+  # for 2048 rows of 2048 features on the H200; this way the decode step gained 1%,
+  # BENCHMARKS.md)
   xt = jax.lax.optimization_barrier(x.astype(jnp.bfloat16).T)
   xt = jnp.take(xt, src, axis=1, mode="fill", fill_value=0)  # [K, 16 x tiles]
   splits = splits or api.default_splits(xt.shape[1] // 16, n // ROWS, (k // 2) // block_k2,
@@ -480,7 +481,7 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
                                         max_splits=8)
 
   def call(xc):  # -> y^T [N, tokens] in bf16
-    xt = xc.T
+    xt = xc.T  # at most 256 tokens: small enough to transpose in the split's pass
     partials = fp4_wgmma_partials(xt[0::2], xt[1::2], w.codes, w.scales, w.global_scale,
                                   fmt=w.kernel_fmt, block_k2=block_k2, splits=splits,
                                   max_concurrent_steps=stages, decode=decode)

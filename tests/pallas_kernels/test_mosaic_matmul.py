@@ -269,10 +269,11 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, monkeypatch):
   reference computes (up to float32 sum order)."""
   from trace_jax.quant import dequantize
 
-  def check(got, want, valid):
+  def check(got, want, valid=None):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert not np.isnan(got).any()
-    np.testing.assert_array_equal(got[valid:], 0)
+    if valid is not None:  # rows past the groups
+      np.testing.assert_array_equal(got[valid:], 0)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
     assert np.mean(got != want) < 0.05
 
@@ -281,7 +282,7 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, monkeypatch):
                       _emulated_partials(dequantize(w).astype(jnp.bfloat16), grouped=False))
   for m in (5, 40, 300):  # one token group, the wide path's M, calls of 256
     x = jax.random.normal(jax.random.PRNGKey(m), (m, 256), jnp.bfloat16)
-    check(mosaic.fp4_matmul(x, layout.tile(w), splits=2), reference.fp4_matmul(x, w), m)
+    check(mosaic.fp4_matmul(x, layout.tile(w), splits=2), reference.fp4_matmul(x, w))
   gw = grouped_weight(8, 4, 256, 128, fmt)
   monkeypatch.setattr(mosaic, "grouped_fp4_wgmma_partials",
                       _emulated_partials(dequantize(gw).astype(jnp.bfloat16), grouped=True))

@@ -180,8 +180,9 @@ def test_pallas_kernels_compute_what_xla_computes(precision):
   codes and records bit for bit for the same input (tests/pallas_kernels), so only the order of
   float32 sums differs. In interpret mode the sums run in XLA's order: every record is equal.
   Compiled, another order can move a bf16 rounding, and past it an FP4 code, in a later layer:
-  on the H200 (NVFP4) 1, 3 and 15 record bytes of three second-layer sites of 384-768, the first
-  layer's all equal, the same tokens and log-probabilities."""
+  in one run on the H200 (NVFP4, this policy and seed) 1, 3 and 15 record bytes of three
+  second-layer sites of 384-768 (at most 2%), the first layer's all equal, the same tokens and
+  log-probabilities; the bounds below leave room for other GPUs' orders."""
   xla, pallas = _kernel_rollouts(precision)
   np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
   np.testing.assert_allclose(np.asarray(pallas.logp), np.asarray(xla.logp), atol=1e-5)

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.quant import codecs
-from trace_jax.quant.codecs import reciprocal
 
 _NAN = float("nan")
 
@@ -99,14 +98,14 @@ class BlockFormat(Format):
     return self.scales_from_amax(*_block_amax(x_NxB))
 
   def scales_from_amax(self, amax_N, bad_N,
-                       recip=reciprocal) -> tuple[jax.Array, jax.Array | None]:
+                       recip=codecs.reciprocal) -> tuple[jax.Array, jax.Array | None]:
     """The stored block scales (and global) from each block's max |x| over its finite values
     and whether it holds a NaN or Inf: the whole scale rule, so that kernels which reduce the
     blocks their own way share it. `recip`: the correctly rounded float32 reciprocal
     (`codecs.reciprocal`, or a kernel's own)."""
     raise NotImplementedError
 
-  def grid_multiplier(self, scales_N, global_1, recip=reciprocal) -> jax.Array:
+  def grid_multiplier(self, scales_N, global_1, recip=codecs.reciprocal) -> jax.Array:
     """Per block, the float32 factor that maps x onto the element grid ([..., N])."""
     raise NotImplementedError
 
@@ -178,7 +177,7 @@ class MXFP4Format(BlockFormat):
   codec = codecs.E2M1
   scale_bits = 8
 
-  def scales_from_amax(self, amax_N, bad_N, recip=reciprocal):
+  def scales_from_amax(self, amax_N, bad_N, recip=codecs.reciprocal):
     # floor(log2 amax) is the unbiased exponent of amax, so the E8M0 byte is exponent - 2
     code = codecs.biased_exponent(amax_N) - 2
     if self.scale_rounding == "ceil":  # amax / 2^e > 6 exactly when amax's significand is > 1.5
@@ -188,7 +187,7 @@ class MXFP4Format(BlockFormat):
     code = jnp.clip(code, 0, 252)
     return jnp.where(bad_N, 255, code).astype(jnp.uint8), None
 
-  def grid_multiplier(self, scales_N, global_1, recip=reciprocal):
+  def grid_multiplier(self, scales_N, global_1, recip=codecs.reciprocal):
     # the exact inverse power of two: 2^(127 - code) is a normal float32 for every code the
     # rule produces, where the scale itself (2^-127 for code 0) would be subnormal
     return codecs.exp2i(jnp.clip(127 - scales_N.astype(jnp.int32), -126, 127))
@@ -220,8 +219,10 @@ class NVFP4Format(BlockFormat):
   reciprocal, the way kernels compute it (and the way XLA's CPU compiler rewrites such divisions
   anyway): g = amax * f32(1/2688), s = RN_e4m3((amax_block * f32(1/6)) * (1/g)),
   element = RNE_e2m1(x * (1/(s*g))), each reciprocal correctly rounded (`codecs.reciprocal`:
-  XLA's GPU division is not). That makes the bytes the same on every backend. g is at least
-  2^-126 (the smallest normal float32), so tiny rows are not flushed to zero.
+  XLA's GPU division is not). That makes the bytes the same on every backend for rows whose max
+  is at least 6 x 2^-126 (below it, amax / 6 is subnormal, and XLA's CPU flushes subnormals to
+  zero where the GPU keeps them). g is at least 2^-126 (the smallest normal float32), so tiny
+  rows are not flushed to zero.
   """
 
   name: str = "nvfp4"
@@ -236,7 +237,7 @@ class NVFP4Format(BlockFormat):
   codec = codecs.E2M1
   scale_bits = 8
 
-  def scales_from_amax(self, amax_N, bad_N, recip=reciprocal):
+  def scales_from_amax(self, amax_N, bad_N, recip=codecs.reciprocal):
     if self.global_scale == "row":
       amax_1 = jnp.max(amax_N, axis=-1, keepdims=True)
     else:
@@ -254,7 +255,7 @@ class NVFP4Format(BlockFormat):
   def _element_scale(self, scales_N, global_1):
     return codecs.E4M3.decode(scales_N) * global_1
 
-  def grid_multiplier(self, scales_N, global_1, recip=reciprocal):
+  def grid_multiplier(self, scales_N, global_1, recip=codecs.reciprocal):
     return recip(self._element_scale(scales_N, global_1))
 
   def from_grid(self, v_NxB, scales_N, global_1):
@@ -272,13 +273,13 @@ class FP8Format(BlockFormat):
   codec = codecs.E4M3
   scale_bits = 32
 
-  def scales_from_amax(self, amax_N, bad_N, recip=reciprocal):
+  def scales_from_amax(self, amax_N, bad_N, recip=codecs.reciprocal):
     # at least the smallest normal float32, so that 1/s stays finite for tiny rows
     s_N = jnp.maximum(amax_N * _f32_reciprocal(_E4M3_MAX), _F32_TINY)
     s_N = jnp.where(amax_N > 0, s_N, 1.0)
     return jnp.where(bad_N, _NAN, s_N), None
 
-  def grid_multiplier(self, scales_N, global_1, recip=reciprocal):
+  def grid_multiplier(self, scales_N, global_1, recip=codecs.reciprocal):
     return recip(scales_N)  # reciprocal first, as NVFP4 does
 
   def from_grid(self, v_NxB, scales_N, global_1):
