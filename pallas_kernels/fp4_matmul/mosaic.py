@@ -438,8 +438,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   src, tile_expert, dest = api.tile_rows(group_sizes, x.shape[0], 16)
   # x^T in a pass of its own (a tiled transpose), then the padded rows gathered as its columns:
   # gathered and transposed in one fused pass, x's rows were read across the transpose (46 us
-  # for 2048 rows of 2048 features on the H200; this way the decode step gained 1%,
-  # BENCHMARKS.md)
+  # for 2048 rows of 2048 features on the H200; split this way, the decode step's kernel time
+  # fell by 0.7% and its throughput did not move, BENCHMARKS.md)
   xt = jax.lax.optimization_barrier(x.astype(jnp.bfloat16).T)
   xt = jnp.take(xt, src, axis=1, mode="fill", fill_value=0)  # [K, 16 x tiles]
   splits = splits or api.default_splits(xt.shape[1] // 16, n // ROWS, (k // 2) // block_k2,
