@@ -16,6 +16,7 @@ from pallas_kernels.decode_attention import kernel, reference
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
+BACKENDS = ("triton", "mosaic")  # the Pallas lowering of the "pallas" path
 MIN_ROWS = 16  # the smallest matrix-instruction tile: query heads per kv head are padded to a
 # power of two of at least this many rows
 
@@ -49,19 +50,34 @@ def _cache_arrays(c):
 
 @reference_vjp(reference.decode_attention)
 def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
-                     implementation: str = "xla", block_s: int = 64, splits: int | None = None,
+                     implementation: str = "xla", backend: str = "triton", block_s: int = 64,
+                     splits: int | None = None, max_concurrent_steps: int = 2,
                      num_warps: int = 4, num_stages: int = 2, decode: str | None = None,
                      interpret: bool = False, poison: bool = False) -> jax.Array:
   """One query per sequence, q [B, H, Dh], against the caches K, V [B, S, Kv, Dh] at the slots
   where mask [B, S] is true -> [B, H, Dh] bf16 (query head h reads kv head h // (H / Kv)).
 
-  `decode` ("asm" | "bits") picks how the kernel unpacks FP4, as in `fp4_matmul`; `splits` how
-  many programs share one sequence (default: enough to fill the device)."""
+  `backend` picks the kernel: "triton" (`kernel.py`; block_s, num_warps, num_stages, decode and
+  interpret are its) or "mosaic" (`mosaic.py`, the wgmma kernel, compiled Hopper only; 64-slot
+  blocks, max_concurrent_steps copies in flight). `decode` ("asm" | "bits") picks how the Triton
+  kernel unpacks FP4, as in `fp4_matmul`; `splits` how many programs share one sequence
+  (default: enough to fill the device)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   reference.check(q_BxHxDh, k, v, mask_BxS)
   if implementation == "xla":
     return reference.decode_attention(q_BxHxDh, k, v, mask_BxS)
+  if backend == "mosaic":
+    if interpret:
+      raise ValueError("the mosaic backend has no interpret mode: use backend='triton'")
+    from pallas_kernels.decode_attention import mosaic
+    fmt_k, fmt_v = _cache_arrays(k)[0], _cache_arrays(v)[0]
+    if fmt_k != fmt_v:
+      raise ValueError(f"K ({fmt_k}) and V ({fmt_v}) caches must share a format")
+    return mosaic.decode_attention(q_BxHxDh, k, v, mask_BxS, splits=splits,
+                                   max_concurrent_steps=max_concurrent_steps)
   b, h, dh = q_BxHxDh.shape
   s, kv = k.shape[1], k.shape[2]
   if not supports(s, dh, block_s):

@@ -7,7 +7,8 @@ qwen3_30b_a3b attention (32 query heads on 4 kv heads, head_dim 128), one query 
 every slot valid. Per (batch, context): XLA's bf16 attention (the reference), the project's
 bf16 kernel, PyTorch's `scaled_dot_product_attention` (enable_gqa, its [B, Kv, S, Dh] layout,
 no mask) when torch sees a GPU, XLA on the dequantized MXFP4 cache, and the Pallas kernel on
-MXFP4 and NVFP4 caches over a few tile configurations. Each variant is checked against its
+MXFP4 and NVFP4 caches over a few tile configurations of its two backends (Triton; Mosaic, the
+wgmma kernel, when the device is a Hopper GPU). Each variant is checked against its
 reference first (rel err). Times are the kernels' device time (`pallas_kernels.timing.time_calls`)
 over cache copies larger than the L2 cache; bytes count the caches (codes, scales, globals),
 the queries and the outputs. Writes decode_attention_bench.json and prints a table.
@@ -24,14 +25,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.decode_attention import api, reference
+from pallas_kernels.fp4_matmul import mosaic as mosaic_matmul
 from pallas_kernels.timing import KERNELS, copy_bandwidth, cuda_event_seconds, time_calls
 from trace_jax.quant import MXFP4, NVFP4, quantize
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 BATCHES = (16, 64)
 CONTEXTS = (2048, 8192, 32768)
-CONFIGS = [dict(block_s=bs, num_warps=w, num_stages=st)
-           for bs, w, st in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3)]]
+CONFIGS = [dict(backend="triton", block_s=bs, num_warps=w, num_stages=st)
+           for bs, w, st in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3)]] + [
+           dict(backend="mosaic", max_concurrent_steps=n) for n in (2, 4, 6)]
+
+
+def label(cfg: dict) -> str:
+  """A tile configuration in a few characters: triton s64w4st2, mosaic c4."""
+  if cfg.get("backend") == "mosaic":
+    return f"mosaic c{cfg['max_concurrent_steps']}"
+  return f"triton s{cfg['block_s']}w{cfg['num_warps']}st{cfg['num_stages']}"
 
 
 def _rel(a, b) -> float:
@@ -60,6 +70,8 @@ def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:
   result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "copy_bytes_per_s": copy_bandwidth(), "rows": [], "errors": []}
   configs = configs or CONFIGS
+  if not mosaic_matmul.available():
+    configs = [c for c in configs if c.get("backend") != "mosaic"]
   key = jax.random.PRNGKey(0)
   for b in batches:
     for s in contexts:
@@ -107,7 +119,8 @@ def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:
                                                         implementation="pallas", **cfg)
         attempt(lambda p=p, cfg=cfg: record(
             "pallas bf16", time_calls(p, (q, mask), bf16), bf16_bytes,
-            _rel(jax.jit(p)((q, mask), bf16[0]), ref16), cfg), f"pallas bf16 {cfg}")
+            _rel(jax.jit(p)((q, mask), bf16[0]), ref16), {"config": label(cfg), **cfg}),
+            f"pallas bf16 {label(cfg)}")
       t = torch_sdpa_seconds(b, s, len(bf16))
       if t is not None:
         record("torch sdpa bf16", (t, None), bf16_bytes, float("nan"))
@@ -121,7 +134,8 @@ def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:
                                                           implementation="pallas", **cfg)
           attempt(lambda p=p, cfg=cfg, caches=caches, kv_bytes=kv_bytes, ref=ref, fmt=fmt: record(
               f"pallas {fmt}", time_calls(p, (q, mask), caches), kv_bytes,
-              _rel(jax.jit(p)((q, mask), caches[0]), ref), cfg), f"pallas {fmt} {cfg}")
+              _rel(jax.jit(p)((q, mask), caches[0]), ref), {"config": label(cfg), **cfg}),
+              f"pallas {fmt} {label(cfg)}")
   return result
 
 
@@ -131,7 +145,7 @@ def table(result: dict) -> str:
            f"{'B':>3s} {'S':>6s} {'variant':36s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} "
            f"{'rel err':>8s}"]
   for r in result["rows"]:
-    cfg = (f" s{r['block_s']}w{r['num_warps']}st{r['num_stages']}" if "block_s" in r else "")
+    cfg = f" {r['config']}" if "config" in r else ""
     lines.append(f"{r['batch']:3d} {r['context']:6d} {r['variant'] + cfg:36s} {r['us']:9.1f} "
                  f"{r['GB/s']:7.0f} {100 * r['copy_frac']:6.1f} {r['rel_err']:8.1e}")
   return "\n".join(lines + [f"ERROR {e}" for e in result["errors"][:10]])
@@ -142,9 +156,16 @@ def main():
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
   parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+  parser.add_argument("--backends", default="triton,mosaic",
+                      help="the kernel backends to time (comma-separated)")
   args = parser.parse_args()
   ints = lambda s: [int(v) for v in s.split(",") if v]
-  result = run(ints(args.batches), ints(args.contexts))
+  backends = [v for v in args.backends.split(",") if v]
+  unknown = set(backends) - set(api.BACKENDS)
+  if unknown:
+    parser.error(f"unknown backends {sorted(unknown)}; choose from {api.BACKENDS}")
+  configs = [c for c in CONFIGS if c["backend"] in backends]
+  result = run(ints(args.batches), ints(args.contexts), configs)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "decode_attention_bench.json"), "w") as fh:
     json.dump(result, fh, indent=1)

@@ -136,3 +136,95 @@ def test_compiled_kernel_on_gpu(fmt, b, s, block_s, decode, g, dh):
   want = decode_attention(q, k, v, mask)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 4e-3
+
+
+# The Mosaic (wgmma) kernel: no interpret mode, so on CPU it is lowered for CUDA and its
+# wrapper runs around an emulation; compiled on a Hopper GPU (-m gpu).
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_mosaic_kernel_lowers_for_cuda(fmt):
+  """The whole Mosaic lowering (layout inference, wgmma's operand checks) for a CUDA target."""
+  args = jax.eval_shape(lambda: inputs(0, 2, 256, 4, 8, 128, fmt))
+  f = jax.jit(lambda q, k, v, m: decode_attention(q, k, v, m, implementation="pallas",
+                                                  backend="mosaic", splits=2))
+  assert jax.export.export(f, platforms=["cuda"])(*args).out_avals[0].shape == (2, 32, 128)
+
+
+def _emulated_partials(fmt):
+  """`mosaic.decode_attention_partials` in jnp: the caches rebuilt from the kernel's arrays
+  (so their byte layout is checked too), head_dim in q's order, per split o^T, m and l."""
+  from trace_jax.quant import QArray
+  fmt_obj = {"mxfp4": MXFP4, "nvfp4": NVFP4}.get(fmt)
+
+  def cache(arrays, b, s, kv):
+    if fmt_obj is None:
+      return arrays[0].reshape(b, s, kv, -1).astype(jnp.float32)
+    g = None
+    if fmt == "nvfp4":
+      g = jax.lax.bitcast_convert_type(arrays[2].reshape(b, s, kv, 1, 4), jnp.float32)
+    x = dequantize(QArray(codes=arrays[0].reshape(b, s, kv, -1),
+                          scales=arrays[1].reshape(b, s, kv, -1), global_scale=g,
+                          fmt=fmt_obj, axis=3))
+    x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+  def partials(q_t, mask, k_arrays, v_arrays, *, fmt, splits, max_concurrent_steps):
+    b, kv, dh, rows = q_t.shape
+    s = mask.shape[1]
+    k, v = cache(k_arrays, b, s, kv), cache(v_arrays, b, s, kv)
+    sc = jnp.einsum("bhdr,bshd->bhrs", q_t.astype(jnp.float32), k) * dh**-0.5
+    sc = jnp.where(mask[:, None, None, :] != 0, sc, -1e30).reshape(b, kv, rows, splits, -1)
+    m = jnp.max(sc, axis=-1)
+    p = jnp.where(sc > -1e30, jnp.exp(sc - m[..., None]), 0.0)
+    o = jnp.einsum("bhrtj,btjhd->tbhdr", p, v.reshape(b, splits, -1, kv, dh))
+    return o, jnp.moveaxis(m, -1, 0), jnp.moveaxis(jnp.sum(p, axis=-1), -1, 0)
+
+  return partials
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_mosaic_wrapper_around_an_emulated_kernel(fmt, monkeypatch):
+  """q padded to 16 rows, transposed and permuted to [even | odd]; the caches flattened to rows
+  of bytes (NVFP4's globals as bytes); the splits combined and the permutation undone."""
+  from pallas_kernels.decode_attention import mosaic
+  name = fmt_id(fmt)
+  monkeypatch.setattr(mosaic, "decode_attention_partials", _emulated_partials(name))
+  q, k, v, mask = inputs(11, 3, 256, 4, 6, 128, fmt, lengths=[256, 200, 70])
+  mask = mask.at[2, :128].set(False)  # a whole split masked
+  got = decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", splits=4)
+  want = decode_attention(q, k, v, mask)
+  assert got.shape == want.shape and got.dtype == jnp.bfloat16
+  assert rel(got, want) < 4e-3
+
+
+def test_mosaic_backend_names_what_is_wrong():
+  q, k, v, mask = inputs(12, 1, 128, 4, 8, 64, MXFP4)
+  with pytest.raises(ValueError, match="backend must be one of"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="cuda")
+  with pytest.raises(ValueError, match="no interpret mode"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", interpret=True)
+  q20, k1, v1, mask1 = inputs(13, 1, 128, 1, 20, 64, None)  # 20 query heads a kv head
+  with pytest.raises(ValueError, match="at most 16 query heads"):
+    decode_attention(q20, k1, v1, mask1, implementation="pallas", backend="mosaic")
+  q2, k2, v2, mask2 = inputs(14, 1, 128, 1, 8, 64, MXFP4)  # one kv head's scales: 2 bytes
+  with pytest.raises(ValueError, match="multiple of 16 bytes"):
+    decode_attention(q2, k2, v2, mask2, implementation="pallas", backend="mosaic")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("b,s,g,dh,splits", [
+    (1, 512, 8, 128, None), (16, 2048, 8, 128, None), (5, 4096, 8, 128, 4),
+    (3, 1024, 16, 128, None), (2, 1024, 1, 128, 2)])
+def test_mosaic_kernel_on_gpu(fmt, b, s, g, dh, splits):
+  """Compiled on a Hopper GPU: 4 kv heads, ragged left-padded masks, fresh inputs a shape."""
+  from pallas_kernels.fp4_matmul import mosaic as mosaic_matmul
+  if not mosaic_matmul.available():
+    pytest.fail("the Mosaic kernel's GPU test needs a Hopper GPU")
+  q, k, v, mask = inputs(b * s + g, b, s, 4, g, dh, fmt,
+                         lengths=[s - 37 * i for i in range(b)])
+  got = decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic",
+                         splits=splits)
+  want = decode_attention(q, k, v, mask)
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, want) < 4e-3

@@ -1,0 +1,266 @@
+"""Pallas (Mosaic GPU lowering, Hopper) decode attention: K decoded into wgmma's A operand.
+
+The Triton kernel (`kernel.py`) passes every decoded K and V tile through shared memory on its
+way into a matrix instruction. Here the scores are computed transposed,
+
+    S^T [slots, q heads] = K [slots, Dh] Q^T [Dh, q heads],
+
+so the K block (64 slots) is wgmma's A operand, which it reads from registers: the codes are
+loaded from shared memory straight into the A layout and decoded there (`fp4_matmul.mosaic`'s
+PTX decode; the low nibbles are the even head_dim entries, the high nibbles the odd ones, and Q^T
+comes in split into its even and odd rows). The query heads of the kv head (padded to 16) are
+the instruction's N. The softmax runs down the columns of S^T. Then
+
+    O^T [Dh, q heads] = V^T [Dh, slots] P^T [slots, q heads]
+
+takes V^T from shared memory: the block's V is decoded in registers, stored to shared memory in
+bf16 and read transposed by wgmma, and P^T is stored next to it. A bf16 cache skips the decodes
+(K read by wgmma from shared memory). Grid (batch, kv head, split); each program walks its
+split's slots in a pipeline of bulk copies (codes, scales, NVFP4's globals, the mask), keeping
+an online softmax in float32, and writes its unnormalized O^T with (m, l), combined outside as
+the Triton kernel's splits are (`kernel.combine`).
+
+The scales of all kv heads of a slot are copied together (a bulk copy's rows must be 16 bytes
+or more) and each head's column is picked out in registers (a masked sum across the four threads
+that share a row). Numerics are the Triton kernel's: each value is the engine's XLA
+dequantization in bf16; products accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.decode_attention.kernel import _MASKED
+from pallas_kernels.fp4_matmul.mosaic import _decode_asm, _load, _scale_row
+
+CHUNK = 32  # code bytes (64 head_dim values) a decode and its two instructions take
+BLOCK_S = 64  # slots a step: wgmma's M
+ROWS = 16  # query heads a kv head, padded: wgmma's N
+
+
+def _column(tile, c):
+  """Column c (traced) of a [64, C] tile in the WGMMA layout -> [64] float32 in the row layout,
+  by a masked sum along the row (exact: one nonzero term)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  wgmma = plgpu.Layout.WGMMA
+  tile = tile.astype(jnp.float32)
+  col = plgpu.broadcasted_iota(jnp.int32, tile.shape, 1, layout=wgmma)
+  return jnp.sum(jnp.where(col == c, tile, 0.0), axis=1)
+
+
+def _body(q_gmem, mask_gmem, *refs, fmt, head_dim, kv_heads, steps, max_concurrent_steps):
+  """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  n_cache = _N_CACHE[fmt]
+  k_gmem, v_gmem = refs[:n_cache], refs[n_cache:2 * n_cache]
+  o_gmem, m_gmem, l_gmem = refs[2 * n_cache:]
+  bi, hi, si = (jax.lax.axis_index(a) for a in ("b", "h", "s"))
+  wgmma = plgpu.Layout.WGMMA
+  row_l, col_l = wgmma.reduce(1), wgmma.reduce(0)
+  parts = 1 if fmt == "bf16" else 2  # the even and odd head_dim entries, or all of them
+  width = head_dim // parts
+  nb = head_dim // (32 if fmt == "mxfp4" else 16)  # scale blocks of a head's row
+  chunks = head_dim // 2 // CHUNK
+
+  def scale_rows(scales_smem, g_smem):
+    """This kv head's scale rows (`_scale_row`), one [64] vector a block."""
+    g = None
+    if g_smem is not None:  # NVFP4's float32 global of each (slot, head), from its four bytes
+      g_tile = _load(g_smem, wgmma)
+      word = functools.reduce(jnp.bitwise_or, [
+          _column(g_tile, hi * 4 + i).astype(jnp.int32) << (8 * i) for i in range(4)])
+      g = jax.lax.bitcast_convert_type(word, jnp.float32)
+    tile = _load(scales_smem, wgmma)
+    return [plgpu.layout_cast(_scale_row(_column(tile, hi * nb + j).astype(jnp.uint8), fmt, g),
+                              row_l) for j in range(nb)]
+
+  def decode(cache_smem):
+    """A block's codes -> each chunk's (low, high) nibbles' bf16 values, [64, CHUNK] each."""
+    codes_smem, scales_smem = cache_smem[:2]
+    rows = scale_rows(scales_smem, cache_smem[2] if fmt == "nvfp4" else None)
+    per = nb // chunks  # scale blocks a chunk
+    return [_decode_asm([_load(codes_smem.at[:, pl.ds(j * CHUNK, CHUNK)], wgmma)],
+                        rows[j * per:(j + 1) * per], fmt) for j in range(chunks)]
+
+  def step(_, mask_smem, *cache_smem, q_smem, v_bufs, p_smem):
+    *cache_smem, carry = cache_smem
+    m, l, o = carry
+    k_smem, v_smem = cache_smem[:n_cache], cache_smem[n_cache:]
+
+    def scores(acc_ref):
+      if fmt == "bf16":
+        plgpu.wgmma(acc_ref, k_smem[0], q_smem[0])
+      else:
+        for j, pair in enumerate(decode(k_smem)):
+          for nibbles, q_part in zip(pair, q_smem):
+            plgpu.wgmma(acc_ref, nibbles, q_part.at[pl.ds(j * CHUNK, CHUNK)])
+      return acc_ref[...]
+
+    s = pl.run_scoped(scores, plgpu.ACC((BLOCK_S, ROWS), jnp.float32)) * head_dim**-0.5
+    valid = _load(mask_smem, row_l) != 0
+    valid = plgpu.layout_cast(jax.lax.broadcast_in_dim(valid, s.shape, [0]), wgmma)
+    s = jnp.where(valid, s, _MASKED)
+    m_new = jnp.maximum(m, jnp.max(s, axis=0))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [1])), 0.0)
+    l = l * alpha + jnp.sum(p, axis=0)
+    p_smem[...] = p.astype(jnp.bfloat16)
+    if fmt != "bf16":
+      for j, pair in enumerate(decode(v_smem)):
+        for nibbles, buf in zip(pair, v_bufs):
+          buf[:, pl.ds(j * CHUNK, CHUNK)] = nibbles
+    plgpu.commit_smem()
+    rescale = jax.lax.broadcast_in_dim(alpha, (width, ROWS), [1])
+
+    def pv(acc_refs):
+      for acc_ref, v_ref in zip(acc_refs, v_bufs if fmt != "bf16" else v_smem):
+        # .at[:]: a transformed ref, which transposes on every jax version
+        plgpu.wgmma(acc_ref, v_ref.at[:].transpose((1, 0)), p_smem)
+
+    o = pl.run_state(pv)(tuple(plgpu.ACC.init(acc * rescale) for acc in o))
+    return m_new, l, o
+
+  def run(q_smem, v_bufs, p_smem, barrier):
+    for i, q_part in enumerate(q_smem):  # Q^T's even and odd rows (or all), once
+      plgpu.copy_gmem_to_smem(q_gmem.at[bi, hi, pl.ds(i * width, width)], q_part, barrier)
+      plgpu.barrier_wait(barrier)
+    # the values (or codes) of this kv head; the scales and globals of all heads
+    cache_specs = [plgpu.BlockSpec((None, BLOCK_S, k_gmem[0].shape[2] // kv_heads),
+                                   lambda k: (bi, s0 + k, hi))]
+    cache_specs += [plgpu.BlockSpec((None, BLOCK_S, a.shape[2]), lambda k: (bi, s0 + k, 0))
+                    for a in k_gmem[1:]]
+    init = (plgpu.layout_cast(jnp.full((ROWS,), _MASKED, jnp.float32), col_l),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), col_l),
+            tuple(plgpu.layout_cast(jnp.zeros((width, ROWS), jnp.float32), wgmma)
+                  for _ in range(parts)))
+    s0 = si * steps
+    m, l, o = plgpu.emit_pipeline(
+        functools.partial(step, q_smem=q_smem, v_bufs=v_bufs, p_smem=p_smem),
+        grid=(steps,),
+        in_specs=[plgpu.BlockSpec((None, BLOCK_S), lambda k: (bi, s0 + k)),
+                  *cache_specs, *cache_specs],
+        max_concurrent_steps=max_concurrent_steps, init_carry=init,
+    )(mask_gmem, *k_gmem, *v_gmem)
+    return m, l, o
+
+  scoped = dict(q_smem=[plgpu.SMEM((width, ROWS), jnp.bfloat16) for _ in range(parts)],
+                v_bufs=[plgpu.SMEM((BLOCK_S, width), jnp.bfloat16)
+                        for _ in range(parts if fmt != "bf16" else 0)],
+                p_smem=plgpu.SMEM((BLOCK_S, ROWS), jnp.bfloat16),
+                barrier=plgpu.Barrier())
+  m, l, o = pl.run_scoped(run, **scoped)
+
+  # each bulk copy's shared-memory side in an allocation of its own (aligned as copies need)
+  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((head_dim, ROWS), jnp.float32),
+                     m_smem=plgpu.SMEM((ROWS,), jnp.float32),
+                     l_smem=plgpu.SMEM((ROWS,), jnp.float32))
+  def _(o_smem, m_smem, l_smem):
+    for i, acc in enumerate(o):
+      o_smem[pl.ds(i * width, width)] = acc
+    m_smem[...] = m
+    l_smem[...] = l
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, bi, hi])
+    plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[si, bi, hi])
+    plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[si, bi, hi])
+    plgpu.wait_smem_to_gmem(0)
+
+
+_N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "splits", "max_concurrent_steps"))
+def decode_attention_partials(q_t, mask, k_arrays, v_arrays, *, fmt: str, splits: int = 1,
+                              max_concurrent_steps: int = 2):
+  """Q^T q_t [B, Kv, Dh, 16] bf16 (the query heads of each kv head padded to 16; for the packed
+  formats head_dim in [even | odd] order), mask [B, S] int32 (a block's 256 bytes keep every
+  pipeline slot aligned for its bulk copy), each cache as 3-D arrays of
+  [B, S, bytes a slot] (bf16 [B, S, Kv x Dh]; codes [B, S, Kv x Dh/2], scales [B, S, Kv x Dh/block]
+  bytes and NVFP4's globals [B, S, Kv x 4] bytes), the kv heads of a slot side by side ->
+  per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order), m and l
+  [splits, B, Kv, 16]."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  _check(fmt)
+  b, kv, dh, rows = q_t.shape
+  s = mask.shape[1]
+  if rows != ROWS or s % (BLOCK_S * splits) or dh % (2 * CHUNK):
+    raise ValueError(f"the wgmma decode attention needs q^T [B, Kv, Dh, {ROWS}] (got "
+                     f"{q_t.shape}), the slots ({s}) divisible by {BLOCK_S} x splits ({splits}) "
+                     f"and head_dim a multiple of {2 * CHUNK}")
+  steps = s // BLOCK_S // splits
+  body = functools.partial(_body, fmt=fmt, head_dim=dh, kv_heads=kv, steps=steps,
+                           max_concurrent_steps=min(max_concurrent_steps, steps))
+  body.__name__ = "decode_attention_wgmma"
+  out_type = (jax.ShapeDtypeStruct((splits, b, kv, dh, rows), jnp.float32),
+              jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32),
+              jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32))
+  return plgpu.kernel(
+      body, out_type=out_type, grid=(b, kv, splits), grid_names=("b", "h", "s"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(q_t, mask, *k_arrays, *v_arrays)
+
+
+def _check(fmt):
+  if fmt not in _N_CACHE:
+    raise ValueError(f"fmt must be one of {tuple(_N_CACHE)}, got {fmt!r}")
+
+
+def supports(kv_heads: int, head_dim: int, group: int, fmt: str) -> bool:
+  """Whether the wgmma kernel takes these heads: at most 16 query heads a kv head, head_dim a
+  multiple of 64, and each bulk-copied row of the scales (and NVFP4's globals), all kv heads of
+  a slot side by side, a multiple of 16 bytes."""
+  if group > ROWS or head_dim % (2 * CHUNK):
+    return False
+  if fmt == "bf16":
+    return True
+  nb = head_dim // (32 if fmt == "mxfp4" else 16)
+  return (kv_heads * nb) % 16 == 0 and (fmt == "mxfp4" or (kv_heads * 4) % 16 == 0)
+
+
+def _slot_rows(cache, fmt, b, s):
+  """A cache (bf16 [B, S, Kv, Dh] or a packed `QArray`) -> the kernel's [B, S, bytes a slot]
+  arrays; NVFP4's float32 globals as their four bytes each."""
+  if fmt == "bf16":
+    return (cache.astype(jnp.bfloat16).reshape(b, s, -1),)
+  arrays = (cache.codes.reshape(b, s, -1), cache.scales.reshape(b, s, -1))
+  if fmt == "nvfp4":
+    g = jax.lax.bitcast_convert_type(cache.global_scale.astype(jnp.float32), jnp.uint8)
+    arrays += (g.reshape(b, s, -1),)
+  return arrays
+
+
+def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
+                     splits: int | None = None, max_concurrent_steps: int = 2) -> jax.Array:
+  """`api.decode_attention`'s "pallas" path on the wgmma kernel (compiled Hopper only): q
+  [B, H, Dh], caches [B, S, Kv, Dh] (bf16, or MXFP4 / NVFP4 `QArray`s along head_dim), mask
+  [B, S] -> [B, H, Dh] bf16. Inputs are checked by the caller (`api`)."""
+  from pallas_kernels.decode_attention import api, kernel
+  b, h, dh = q_BxHxDh.shape
+  s, kv = k.shape[1], k.shape[2]
+  fmt = api._cache_arrays(k)[0]
+  g = h // kv
+  if not supports(kv, dh, g, fmt) or s % BLOCK_S:
+    raise ValueError(f"the wgmma decode attention needs at most {ROWS} query heads a kv head "
+                     f"(got {g}), head_dim ({dh}) a multiple of {2 * CHUNK}, the slots ({s}) a "
+                     f"multiple of {BLOCK_S} and, for {fmt}, {kv} kv heads' scales a slot a "
+                     "multiple of 16 bytes")
+  q = q_BxHxDh.astype(jnp.bfloat16).reshape(b, kv, g, dh)
+  if fmt != "bf16":  # head_dim in [even | odd] order, the order of the decoded nibbles
+    q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
+  q_t = jnp.swapaxes(jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - g), (0, 0))), -1, -2)
+  splits = splits or api.default_splits(b * kv, s // BLOCK_S)
+  if (s // BLOCK_S) % splits:
+    raise ValueError(f"splits ({splits}) must divide the {s // BLOCK_S} blocks of {BLOCK_S} "
+                     "slots")
+  o_t, m, l = decode_attention_partials(
+      q_t, mask_BxS.astype(jnp.int32), _slot_rows(k, fmt, b, s), _slot_rows(v, fmt, b, s),
+      fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
+  out = kernel.combine(jnp.swapaxes(o_t, -1, -2), m, l)[:, :, :g]
+  if fmt != "bf16":
+    out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)
+  return out.reshape(b, h, dh).astype(jnp.bfloat16)
