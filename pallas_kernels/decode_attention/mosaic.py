@@ -21,8 +21,8 @@ an online softmax in float32, and writes its unnormalized O^T with (m, l), combi
 the Triton kernel's splits are (`kernel.combine`).
 
 The scales of all kv heads of a slot are copied together (a bulk copy's rows must be 16 bytes
-or more) and each head's column is picked out in registers (a masked sum across the four threads
-that share a row). Numerics are the Triton kernel's: each value is the engine's XLA
+or more); each head's columns are loaded as the 8-column tile that holds them and picked out in
+registers (a masked sum across the four threads that share a row). Numerics are the Triton kernel's: each value is the engine's XLA
 dequantization in bf16; products accumulate in float32.
 """
 
@@ -52,6 +52,26 @@ def _column(tile, c):
   return jnp.sum(jnp.where(col == c, tile, 0.0), axis=1)
 
 
+def _head_columns(ref, hi, n):
+  """Columns hi x n ... hi x n + n - 1 (hi traced) of a [64, C] byte ref in shared memory -> n
+  [64] float32 vectors in the row layout. Only the `width`-column tiles that hold them are
+  loaded, width = C / 2 (at least 8), so each masked sum (`_column`) spans half the columns.
+  (Narrower loads of these rows conflict on shared-memory banks, which Mosaic refuses.)"""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  width = max(8, ref.shape[1] // 2)
+  tiles, out = {}, []
+  for j in range(n):
+    if n % width == 0:
+      key, start, c = j // width, hi * n + j // width * width, j % width
+    else:
+      key, start, c = 0, hi * n // width * width, hi * n % width + j
+    if key not in tiles:
+      tiles[key] = _load(ref.at[:, pl.ds(pl.multiple_of(start, width), width)],
+                         plgpu.Layout.WGMMA)
+    out.append(_column(tiles[key], c))
+  return out
+
+
 def _body(q_gmem, mask_gmem, *refs, fmt, head_dim, kv_heads, steps, max_concurrent_steps):
   """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -70,13 +90,11 @@ def _body(q_gmem, mask_gmem, *refs, fmt, head_dim, kv_heads, steps, max_concurre
     """This kv head's scale rows (`_scale_row`), one [64] vector a block."""
     g = None
     if g_smem is not None:  # NVFP4's float32 global of each (slot, head), from its four bytes
-      g_tile = _load(g_smem, wgmma)
       word = functools.reduce(jnp.bitwise_or, [
-          _column(g_tile, hi * 4 + i).astype(jnp.int32) << (8 * i) for i in range(4)])
+          b.astype(jnp.int32) << (8 * i) for i, b in enumerate(_head_columns(g_smem, hi, 4))])
       g = jax.lax.bitcast_convert_type(word, jnp.float32)
-    tile = _load(scales_smem, wgmma)
-    return [plgpu.layout_cast(_scale_row(_column(tile, hi * nb + j).astype(jnp.uint8), fmt, g),
-                              row_l) for j in range(nb)]
+    return [plgpu.layout_cast(_scale_row(s.astype(jnp.uint8), fmt, g), row_l)
+            for s in _head_columns(scales_smem, hi, nb)]
 
   def decode(cache_smem):
     """A block's codes -> each chunk's (low, high) nibbles' bf16 values, [64, CHUNK] each."""
@@ -213,13 +231,18 @@ def _check(fmt):
 def supports(kv_heads: int, head_dim: int, group: int, fmt: str) -> bool:
   """Whether the wgmma kernel takes these heads: at most 16 query heads a kv head, head_dim a
   multiple of 64, and each bulk-copied row of the scales (and NVFP4's globals), all kv heads of
-  a slot side by side, a multiple of 16 bytes."""
+  a slot side by side, a multiple of 16 bytes whose halves hold whole heads."""
   if group > ROWS or head_dim % (2 * CHUNK):
     return False
   if fmt == "bf16":
     return True
   nb = head_dim // (32 if fmt == "mxfp4" else 16)
-  return (kv_heads * nb) % 16 == 0 and (fmt == "mxfp4" or (kv_heads * 4) % 16 == 0)
+
+  def fits(n):  # n bytes a head: rows of 16-byte multiples, a head's bytes in whole tiles
+    width = max(8, kv_heads * n // 2)  # `_head_columns`
+    return (kv_heads * n) % 16 == 0 and (width % n == 0 or n % width == 0)
+
+  return fits(nb) and (fmt == "mxfp4" or fits(4))
 
 
 def _slot_rows(cache, fmt, b, s):
