@@ -1,6 +1,6 @@
 """Decode attention over a KV cache (packed FP4 with block scales, or bf16): GQA, split-K over
-the sequence."""
+the sequence; Triton (`kernel.py`) and Mosaic GPU (`mosaic.py`) backends."""
 
-from pallas_kernels.decode_attention.api import IMPLEMENTATIONS, decode_attention
+from pallas_kernels.decode_attention.api import BACKENDS, IMPLEMENTATIONS, decode_attention
 
-__all__ = ["IMPLEMENTATIONS", "decode_attention"]
+__all__ = ["BACKENDS", "IMPLEMENTATIONS", "decode_attention"]

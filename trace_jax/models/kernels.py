@@ -41,7 +41,8 @@ KERNELS = ("xla", "pallas")
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
 _FP4_CACHES = ("mxfp4", "nvfp4")
 # caches whose attention runs the Mosaic (wgmma) kernel on Hopper: MXFP4, where it measured
-# 2-11% faster than the Triton kernel at 8K-32K slots; bf16 and NVFP4 measured slower there
+# 1.05-1.12x the Triton kernel's speed (on the Triton tiles used here) from 2K slots at batch 64
+# and 8K at batch 16; bf16 and NVFP4 measured 1.3-1.5x slower there (BENCHMARKS.md)
 _MOSAIC_ATTENTION = ("mxfp4",)
 
 
