@@ -99,7 +99,8 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
     raise ValueError(f"splits ({splits}) must divide the {s // block_s} blocks of {block_s} "
                      "slots")
   o, m, l = kernel.decode_attention_partials(
-      q, mask_BxS.astype(jnp.int8), k_arrays, v_arrays, fmt=fmt, block_s=block_s, splits=splits,
+      q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), k_arrays, v_arrays, fmt=fmt,
+      block_s=block_s, splits=splits,
       num_warps=num_warps, num_stages=num_stages,
       decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
   out = kernel.combine(o, m, l)[:, :, :g]  # NaN here means an unwritten (poisoned) element

@@ -5,6 +5,9 @@ to 16 rows, the smallest matrix-instruction tile) and walks its split's slots in
 `block_s`, keeping an online softmax (running max m, sum l, unnormalized output) in float32;
 the splits' (m, l, o) are combined outside (`combine`).
 
+Programs read only the blocks before their sequence's last valid slot (`valid_end`): a rollout's
+cache holds the prompt and the tokens so far, not yet its whole length.
+
 Packed caches (codes [B, S, Kv, Dh/2], scales [B, S, Kv, Dh/block], NVFP4's global
 [B, S, Kv, 1]) are unpacked in registers by the FP4 matmul's decode: the low nibbles are the
 even head_dim entries, the high nibbles the odd ones. q comes in with its head_dim permuted to
@@ -56,7 +59,7 @@ def _load(refs, b, s0, h, *, fmt, block_s, head_dim, decode):
   return decode_nibbles(codes, scale, decode)
 
 
-def _kernel(q_ref, mask_ref, *refs, fmt: str, n_cache_refs: int, block_s: int,
+def _kernel(q_ref, mask_ref, end_ref, *refs, fmt: str, n_cache_refs: int, block_s: int,
             slots_per_split: int, head_dim: int, decode: str):
   k_refs, v_refs = refs[:n_cache_refs], refs[n_cache_refs:2 * n_cache_refs]
   o_ref, m_ref, l_ref = refs[-3:]  # before them, poisoned output buffers when passed (aliased)
@@ -91,7 +94,10 @@ def _kernel(q_ref, mask_ref, *refs, fmt: str, n_cache_refs: int, block_s: int,
 
   init = (jnp.full((rows,), _MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
           tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(parts)))
-  m, l, accs = jax.lax.fori_loop(0, slots_per_split // block_s, step, init)
+  # the blocks before the sequence's end: the slots past it (a cache longer than what it holds
+  # so far) are not read
+  blocks = jnp.clip((end_ref[b] - base + block_s - 1) // block_s, 0, slots_per_split // block_s)
+  m, l, accs = jax.lax.fori_loop(0, blocks, step, init)
   for i, acc in enumerate(accs):
     o_ref[:, pl.ds(i * width, width)] = acc
   m_ref[...] = m
@@ -103,13 +109,14 @@ _STATIC = ("fmt", "block_s", "splits", "num_warps", "num_stages", "decode", "int
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_attention_partials(q, mask, k_refs, v_refs, *, fmt: str, block_s: int = 64,
+def decode_attention_partials(q, mask, end, k_refs, v_refs, *, fmt: str, block_s: int = 64,
                               splits: int = 1, num_warps: int = 4, num_stages: int = 2,
                               decode: str = "bits", interpret: bool = False,
                               poison: bool = False):
   """q [B, Kv, R, Dh] (R >= 16 query rows per kv head, head_dim in [even | odd] order for the
-  packed formats), mask [B, S] int8, the caches' arrays (codes, scales[, global] or the bf16
-  array) -> per split: o [splits, B, Kv, R, Dh] (unnormalized), m and l [splits, B, Kv, R]."""
+  packed formats), mask [B, S] int8, end [B] int32 (`valid_end` of the mask: no block from it
+  on is read), the caches' arrays (codes, scales[, global] or the bf16 array) -> per split:
+  o [splits, B, Kv, R, Dh] (unnormalized), m and l [splits, B, Kv, R]."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
   if fmt != "bf16":
@@ -124,7 +131,7 @@ def decode_attention_partials(q, mask, k_refs, v_refs, *, fmt: str, block_s: int
   out_specs = (pl.BlockSpec((None, None, None, rows, dh), lambda i, j, t: (t, i, j, 0, 0)),
                pl.BlockSpec((None, None, None, rows), lambda i, j, t: (t, i, j, 0)),
                pl.BlockSpec((None, None, None, rows), lambda i, j, t: (t, i, j, 0)))
-  inputs = (q, mask, *k_refs, *v_refs)
+  inputs = (q, mask, end.astype(jnp.int32), *k_refs, *v_refs)
   in_specs = [pl.no_block_spec] * len(inputs)
   aliases = {}
   if poison:  # NaN-filled outputs, aliased: an element the kernel fails to write stays NaN
@@ -140,6 +147,13 @@ def decode_attention_partials(q, mask, k_refs, v_refs, *, fmt: str, block_s: int
       kernel, grid=(b, kv, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       input_output_aliases=aliases, compiler_params=params, interpret=interpret,
       name="triton_decode_attention")(*inputs)
+
+
+def valid_end(mask):
+  """mask [B, S] -> [B] int32: one past each row's last valid slot (0 for a row with none)."""
+  s = mask.shape[1]
+  last = s - jnp.argmax(mask[:, ::-1], axis=1)
+  return jnp.where(jnp.any(mask, axis=1), last, 0).astype(jnp.int32)
 
 
 def combine(o, m, l):

@@ -18,7 +18,8 @@ bf16 and read transposed by wgmma, and P^T is stored next to it. A bf16 cache sk
 (K read by wgmma from shared memory). Grid (batch, kv head, split); each program walks its
 split's slots in a pipeline of bulk copies (codes, scales, NVFP4's globals, the mask), keeping
 an online softmax in float32, and writes its unnormalized O^T with (m, l), combined outside as
-the Triton kernel's splits are (`kernel.combine`).
+the Triton kernel's splits are (`kernel.combine`). A split that starts past its sequence's last
+valid slot reads nothing (the Triton kernel skips such blocks one by one).
 
 The scales of all kv heads of a slot are copied together (a bulk copy's rows must be 16 bytes
 or more); each head's columns are loaded as the 8-column tile that holds them and picked out in
@@ -72,7 +73,8 @@ def _head_columns(ref, hi, n):
   return out
 
 
-def _body(q_gmem, mask_gmem, *refs, fmt, head_dim, kv_heads, steps, max_concurrent_steps):
+def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
+          max_concurrent_steps):
   """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   n_cache = _N_CACHE[fmt]
@@ -142,6 +144,13 @@ def _body(q_gmem, mask_gmem, *refs, fmt, head_dim, kv_heads, steps, max_concurre
     o = pl.run_state(pv)(tuple(plgpu.ACC.init(acc * rescale) for acc in o))
     return m_new, l, o
 
+  def empty():
+    """(m, l, o) of no slot: what a split past the sequence's end writes."""
+    return (plgpu.layout_cast(jnp.full((ROWS,), _MASKED, jnp.float32), col_l),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), col_l),
+            tuple(plgpu.layout_cast(jnp.zeros((width, ROWS), jnp.float32), wgmma)
+                  for _ in range(parts)))
+
   def run(q_smem, v_bufs, p_smem, barrier):
     for i, q_part in enumerate(q_smem):  # Q^T's even and odd rows (or all), once
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, hi, pl.ds(i * width, width)], q_part, barrier)
@@ -151,10 +160,7 @@ def _body(q_gmem, mask_gmem, *refs, fmt, head_dim, kv_heads, steps, max_concurre
                                    lambda k: (bi, s0 + k, hi))]
     cache_specs += [plgpu.BlockSpec((None, BLOCK_S, a.shape[2]), lambda k: (bi, s0 + k, 0))
                     for a in k_gmem[1:]]
-    init = (plgpu.layout_cast(jnp.full((ROWS,), _MASKED, jnp.float32), col_l),
-            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), col_l),
-            tuple(plgpu.layout_cast(jnp.zeros((width, ROWS), jnp.float32), wgmma)
-                  for _ in range(parts)))
+    init = empty()
     s0 = si * steps
     m, l, o = plgpu.emit_pipeline(
         functools.partial(step, q_smem=q_smem, v_bufs=v_bufs, p_smem=p_smem),
@@ -170,33 +176,40 @@ def _body(q_gmem, mask_gmem, *refs, fmt, head_dim, kv_heads, steps, max_concurre
                         for _ in range(parts if fmt != "bf16" else 0)],
                 p_smem=plgpu.SMEM((BLOCK_S, ROWS), jnp.bfloat16),
                 barrier=plgpu.Barrier())
-  m, l, o = pl.run_scoped(run, **scoped)
 
-  # each bulk copy's shared-memory side in an allocation of its own (aligned as copies need)
-  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((head_dim, ROWS), jnp.float32),
-                     m_smem=plgpu.SMEM((ROWS,), jnp.float32),
-                     l_smem=plgpu.SMEM((ROWS,), jnp.float32))
-  def _(o_smem, m_smem, l_smem):
-    for i, acc in enumerate(o):
-      o_smem[pl.ds(i * width, width)] = acc
-    m_smem[...] = m
-    l_smem[...] = l
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, bi, hi])
-    plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[si, bi, hi])
-    plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[si, bi, hi])
-    plgpu.wait_smem_to_gmem(0)
+  def store(m, l, o):
+    # each bulk copy's shared-memory side in an allocation of its own (aligned as copies need)
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((head_dim, ROWS), jnp.float32),
+                       m_smem=plgpu.SMEM((ROWS,), jnp.float32),
+                       l_smem=plgpu.SMEM((ROWS,), jnp.float32))
+    def _(o_smem, m_smem, l_smem):
+      for i, acc in enumerate(o):
+        o_smem[pl.ds(i * width, width)] = acc
+      m_smem[...] = m
+      l_smem[...] = l
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, bi, hi])
+      plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[si, bi, hi])
+      plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[si, bi, hi])
+      plgpu.wait_smem_to_gmem(0)
+
+  # a split that starts at or past the sequence's end (a cache longer than what it holds so far)
+  # reads nothing and writes the empty state
+  reads = si * steps * BLOCK_S < end_gmem[bi]
+  pl.when(reads)(lambda: store(*pl.run_scoped(run, **scoped)))
+  pl.when(jnp.logical_not(reads))(lambda: store(*empty()))
 
 
 _N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "splits", "max_concurrent_steps"))
-def decode_attention_partials(q_t, mask, k_arrays, v_arrays, *, fmt: str, splits: int = 1,
+def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, splits: int = 1,
                               max_concurrent_steps: int = 2):
   """Q^T q_t [B, Kv, Dh, 16] bf16 (the query heads of each kv head padded to 16; for the packed
   formats head_dim in [even | odd] order), mask [B, S] int32 (a block's 256 bytes keep every
-  pipeline slot aligned for its bulk copy), each cache as 3-D arrays of
+  pipeline slot aligned for its bulk copy), end [B] int32 (`kernel.valid_end` of the mask:
+  splits that start from it on read nothing), each cache as 3-D arrays of
   [B, S, bytes a slot] (bf16 [B, S, Kv x Dh]; codes [B, S, Kv x Dh/2], scales [B, S, Kv x Dh/block]
   bytes and NVFP4's globals [B, S, Kv x 4] bytes), the kv heads of a slot side by side ->
   per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order), m and l
@@ -220,7 +233,7 @@ def decode_attention_partials(q_t, mask, k_arrays, v_arrays, *, fmt: str, splits
       body, out_type=out_type, grid=(b, kv, splits), grid_names=("b", "h", "s"),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(q_t, mask, *k_arrays, *v_arrays)
+  )(q_t, mask, end.astype(jnp.int32), *k_arrays, *v_arrays)
 
 
 def _check(fmt):
@@ -281,7 +294,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
     raise ValueError(f"splits ({splits}) must divide the {s // BLOCK_S} blocks of {BLOCK_S} "
                      "slots")
   o_t, m, l = decode_attention_partials(
-      q_t, mask_BxS.astype(jnp.int32), _slot_rows(k, fmt, b, s), _slot_rows(v, fmt, b, s),
+      q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, fmt, b, s), _slot_rows(v, fmt, b, s),
       fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
   out = kernel.combine(jnp.swapaxes(o_t, -1, -2), m, l)[:, :, :g]
   if fmt != "bf16":

@@ -168,7 +168,7 @@ def _emulated_partials(fmt):
     x = x.astype(jnp.bfloat16).astype(jnp.float32)
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
-  def partials(q_t, mask, k_arrays, v_arrays, *, fmt, splits, max_concurrent_steps):
+  def partials(q_t, mask, end, k_arrays, v_arrays, *, fmt, splits, max_concurrent_steps):
     b, kv, dh, rows = q_t.shape
     s = mask.shape[1]
     k, v = cache(k_arrays, b, s, kv), cache(v_arrays, b, s, kv)
@@ -177,7 +177,11 @@ def _emulated_partials(fmt):
     m = jnp.max(sc, axis=-1)
     p = jnp.where(sc > -1e30, jnp.exp(sc - m[..., None]), 0.0)
     o = jnp.einsum("bhrtj,btjhd->tbhdr", p, v.reshape(b, splits, -1, kv, dh))
-    return o, jnp.moveaxis(m, -1, 0), jnp.moveaxis(jnp.sum(p, axis=-1), -1, 0)
+    m, l = jnp.moveaxis(m, -1, 0), jnp.moveaxis(jnp.sum(p, axis=-1), -1, 0)
+    # a split from the sequence's end on reads nothing: the empty state, whatever the cache holds
+    reads = (jnp.arange(splits) * (s // splits))[:, None] < end[None, :]  # [splits, B]
+    return (jnp.where(reads[:, :, None, None, None], o, 0.0),
+            jnp.where(reads[:, :, None, None], m, -1e30), jnp.where(reads[:, :, None, None], l, 0.0))
 
   return partials
 
@@ -189,11 +193,41 @@ def test_mosaic_wrapper_around_an_emulated_kernel(fmt, monkeypatch):
   from pallas_kernels.decode_attention import mosaic
   name = fmt_id(fmt)
   monkeypatch.setattr(mosaic, "decode_attention_partials", _emulated_partials(name))
-  q, k, v, mask = inputs(11, 3, 256, 4, 6, 128, fmt, lengths=[256, 200, 70])
+  q, k, v, mask = inputs(11, 3, 256, 4, 6, 128, fmt, lengths=[256, 120, 70])
   mask = mask.at[2, :128].set(False)  # a whole split masked
   got = decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", splits=4)
   want = decode_attention(q, k, v, mask)
   assert got.shape == want.shape and got.dtype == jnp.bfloat16
+  assert rel(got, want) < 4e-3
+  # the splits past sequence 1's end (from slot 128) are not read: non-finite there changes nothing
+  kp, vp = (poisoned_past(c, 1, 128, fmt) for c in (k, v))
+  got = decode_attention(q, kp, vp, mask, implementation="pallas", backend="mosaic", splits=4)
+  assert rel(got, want) < 4e-3
+
+
+def poisoned_past(cache, row, start, fmt):
+  """The cache with row's slots from `start` on non-finite (quantized: from an Inf input)."""
+  x = cache if fmt is None else dequantize(cache)
+  x = x.at[row, start:].set(jnp.inf)
+  return x.astype(jnp.bfloat16) if fmt is None else quantize(x, fmt)
+
+
+def test_valid_end_is_one_past_the_last_valid_slot():
+  from pallas_kernels.decode_attention.kernel import valid_end
+  mask = jnp.asarray([[1, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0]], bool)
+  np.testing.assert_array_equal(valid_end(mask), [2, 4, 0, 2])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_kernel_reads_no_block_past_the_sequence_end(fmt):
+  """A rollout's cache is longer than what it holds so far: the Triton kernel skips the blocks
+  from each sequence's end on (non-finite values there leave the output as it was)."""
+  q, k, v, mask = inputs(15, 2, 128, 2, 4, 64, fmt, lengths=[128, 40])
+  want = decode_attention(q, k, v, mask)
+  kp, vp = (poisoned_past(c, 1, 64, fmt) for c in (k, v))  # blocks of 32: from the third on
+  got = decode_attention(q, kp, vp, mask, implementation="pallas", block_s=32, splits=2,
+                         interpret=True, poison=True)
+  assert np.isfinite(np.asarray(got, np.float32)).all()
   assert rel(got, want) < 4e-3
 
 
