@@ -262,3 +262,25 @@ def test_mosaic_kernel_on_gpu(fmt, b, s, g, dh, splits):
   want = decode_attention(q, k, v, mask)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,backend", [(MXFP4, "mosaic"), (MXFP4, "triton"), (NVFP4, "triton"),
+                                         (None, "triton"), (NVFP4, "mosaic"), (None, "mosaic")],
+                         ids=lambda v: fmt_id(v) if v is None or hasattr(v, "name") else v)
+def test_compiled_kernels_on_partly_filled_caches(fmt, backend):
+  """Compiled: sequences from empty to full in a 2048-slot cache, non-finite values past each
+  sequence's end (blocks, or the Mosaic kernel's splits, there must not be read)."""
+  from pallas_kernels.fp4_matmul import mosaic as mosaic_matmul
+  if backend == "mosaic" and not mosaic_matmul.available():
+    pytest.fail("the Mosaic kernel's GPU test needs a Hopper GPU")
+  lengths = [2048, 1500, 700, 64, 1, 0, 1024, 1999]
+  q, k, v, mask = inputs(16, 8, 2048, 4, 8, 128, fmt, lengths=lengths)
+  want = decode_attention(q, k, v, mask)
+  for row, n in enumerate(lengths):
+    start = -(-n // 512) * 512  # past the last split (of 512 or fewer slots) that holds the end
+    if start < 2048:
+      k, v = (poisoned_past(c, row, start, fmt) for c in (k, v))
+  got = decode_attention(q, k, v, mask, implementation="pallas", backend=backend)
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  assert rel(got, want) < 4e-3
