@@ -1,8 +1,8 @@
 """Rollout decode throughput, FP4 against BF16 in the same engine, on a few-layer qwen3_30b_a3b.
 
     python experiments/bench_rollout.py [--out=DIR] [--layers=2] [--batches=16,64,256] \
-        [--context=4080] [--steps=16] [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,...] \
-        [--profile] [--hlo]
+        [--context=4080] [--steps=16] [--slots=N] [--profile] [--hlo] \
+        [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,...]
 
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
 nvfp4; the engine's kernels: xla | pallas | triton, where "pallas" is the engine's kernel switch
@@ -11,7 +11,8 @@ the same switch with FP4 weights packed plainly, which runs the Triton FP4 kerne
 batch size, the rollout engine decodes `steps`
 tokens per sequence after `context` tokens of context, in one jitted decode loop (records off,
 sampling at temperature 1). The cache holds random codes for the context (the attention reads
-every slot of the cache whatever its content), so no prefill of B x 4K tokens is needed; the
+every slot up to the current token whatever its content), so no prefill of B x 4K tokens is
+needed; `--slots` makes the cache longer than what it holds, as a rollout's is; the
 policy is a random init (what is timed does not depend on the weights' values).
 
 Reported per row: decode tokens/s (B x steps / wall seconds of the loop, one dispatch), the
@@ -73,11 +74,14 @@ def _unit_scales(c):
   return QArray(c.codes, jnp.full_like(c.scales, one), c.global_scale, c.fmt, c.axis)
 
 
-def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps: int, key):
+def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps: int, key,
+                 slots: int | None = None):
   """The engine's decode state after `context` tokens of context, built without a prefill: its
-  structure from tracing the prefill (no compile), the cache random, every slot valid; fresh
-  arrays throughout (the decode loop takes its state as donated buffers)."""
-  total = context + steps + 1
+  structure from tracing the prefill (no compile), the cache random (room for `slots` tokens,
+  by default the context and the steps), every slot valid; fresh arrays throughout (the decode
+  loop takes its state as donated buffers). The engine attends to the slots up to the current
+  token: past it a longer cache holds what a rollout has not yet written."""
+  total = max(context + steps, slots or 0) + 1
   prompts = jnp.zeros((batch, 8), jnp.int32)
   lengths = jnp.full((batch,), 8, jnp.int32)
   shapes = jax.eval_shape(lambda *a: engine.start(*a, total), weights, prompts, lengths, key)
@@ -93,9 +97,9 @@ def _nbytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def step_bytes(cfg, weights, cache, batch: int) -> dict:
+def step_bytes(cfg, weights, cache, batch: int, filled: float = 1.0) -> dict:
   """Bytes one decode step must read: attention weights, the experts the batch can hit, the
-  LM head (the embedding reads B rows: neglected), the whole KV cache."""
+  LM head (the embedding reads B rows: neglected), the filled fraction of the KV cache."""
   attn = expert = 0
   for layer in weights.layers:
     attn += _nbytes([layer[n] for n in ("wq", "wk", "wv", "wo")])
@@ -103,7 +107,7 @@ def step_bytes(cfg, weights, cache, batch: int) -> dict:
   hit = 1 - (1 - cfg.top_k / cfg.n_experts) ** batch
   head = _nbytes(weights.lm_head if weights.lm_head is not None else weights.embed)
   out = {"attention_weights": attn, "experts": int(expert * hit), "lm_head": head,
-         "kv_cache": _nbytes(cache)}
+         "kv_cache": int(_nbytes(cache) * filled)}
   out["total"] = sum(out.values())
   return out
 
@@ -146,14 +150,15 @@ def _top(split: dict, top: int = 12) -> dict:
 
 
 def run(layers: int, batches: list[int], context: int, steps: int, variants: list[str],
-        preset: str = "qwen3_30b_a3b", profile: bool = False, hlo_dir: str | None = None) -> dict:
+        preset: str = "qwen3_30b_a3b", profile: bool = False, hlo_dir: str | None = None,
+        slots: int | None = None) -> dict:
   cfg = model_preset(preset, n_layers=layers)
   copy = copy_bandwidth()
   device = jax.devices()[0]
   memory = (device.memory_stats() or {}).get("bytes_limit", 0)
   result = {"device": str(device.device_kind), "jax": jax.__version__, "preset": preset,
             "layers": layers,
-            "context": context, "steps": steps, "copy_bytes_per_s": copy,
+            "context": context, "steps": steps, "slots": slots, "copy_bytes_per_s": copy,
             "memory_bytes": memory, "rows": [], "max_batch": {}, "errors": []}
   params = init_params(cfg, jax.random.PRNGKey(0))
   packed = {}
@@ -172,13 +177,13 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       key = jax.random.PRNGKey(b)
       try:
         t0 = time.perf_counter()
-        state = decode_state(engine, weights, b, context, steps, key)
+        state = decode_state(engine, weights, b, context, steps, key, slots)
         jax.block_until_ready(engine.run(weights, state, context + steps))
         compile_s = time.perf_counter() - t0
         samples = []
         for rep in range(3):
           state = jax.block_until_ready(decode_state(engine, weights, b, context, steps,
-                                                     jax.random.fold_in(key, rep)))
+                                                     jax.random.fold_in(key, rep), slots))
           t0 = time.perf_counter()
           out = jax.block_until_ready(engine.run(weights, state, context + steps))
           samples.append(time.perf_counter() - t0)
@@ -188,15 +193,18 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
         print("ERROR", result["errors"][-1], flush=True)
         continue
       seconds = float(np.median(samples)) / steps
-      nbytes = step_bytes(cfg, weights, out["cache"], b)
+      filled = 1.0  # a cache of context + steps: all of it
+      if slots:  # a longer one: what the mean step has filled
+        filled = min(1.0, (context + steps / 2) / jax.tree.leaves(out["cache"])[0].shape[1])
+      nbytes = step_bytes(cfg, weights, out["cache"], b, filled)
       row = {"variant": variant, "batch": b, "tokens_per_s": b / seconds,
              "step_ms": seconds * 1e3, "bytes_per_step": nbytes,
              "roofline_frac": nbytes["total"] / copy / seconds, "first_call_s": compile_s}
       if profile:
-        state = decode_state(engine, weights, b, context, steps, key)
+        state = decode_state(engine, weights, b, context, steps, key, slots)
         row["kernels_us_per_step"] = step_split(engine, weights, state, context + steps, steps)
       if hlo_dir:  # the decode loop as XLA compiled it: the fusions the profile names
-        state = decode_state(engine, weights, b, context, steps, key)
+        state = decode_state(engine, weights, b, context, steps, key, slots)
         text = engine.compiled_text(weights, state, context + steps)
         with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
           fh.write(text)
@@ -240,6 +248,9 @@ def main():
                       help="context tokens; with --steps 16 the cache is 4096 slots, a power of "
                       "two of 64-slot blocks, which the attention kernel splits evenly")
   parser.add_argument("--steps", type=int, default=16)
+  parser.add_argument("--slots", type=int, default=None,
+                      help="the cache's slots, if more than context + steps: a rollout's cache "
+                      "has room for its longest answer, which it fills as it decodes")
   parser.add_argument("--variants", default="bf16:xla,bf16:pallas,mxfp4:xla,mxfp4:pallas,"
                       "nvfp4:pallas")
   parser.add_argument("--profile", action="store_true",
@@ -253,7 +264,8 @@ def main():
       parser.error(f"unknown variant {v!r}; choose from {VARIANTS}")
   os.makedirs(args.out, exist_ok=True)
   result = run(args.layers, [int(b) for b in args.batches.split(",") if b], args.context,
-               args.steps, variants, args.preset, args.profile, args.out if args.hlo else None)
+               args.steps, variants, args.preset, args.profile, args.out if args.hlo else None,
+               args.slots)
   with open(os.path.join(args.out, "bench_rollout.json"), "w") as fh:
     json.dump(result, fh, indent=1)
   print(table(result))

@@ -55,3 +55,8 @@ def test_bench_rollout_runs_its_variants():
   assert all(r["tokens_per_s"] > 0 and r["roofline_frac"] > 0 for r in rows)
   assert rows[1]["bytes_per_step"]["total"] < rows[0]["bytes_per_step"]["total"] / 2
   print(bench_rollout.table(result))
+  # a cache with room for more than it holds (--slots): the step reads the filled part
+  longer = bench_rollout.run(2, [4], 112, 16, ["bf16:xla"], preset="small", slots=256)
+  assert not longer["errors"] and longer["slots"] == 256
+  kv, kv_full = (r["rows"][0]["bytes_per_step"]["kv_cache"] for r in (longer, result))
+  assert kv == int(kv_full * 256 / 128 * (112 + 8) / 256)
