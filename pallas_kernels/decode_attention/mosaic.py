@@ -22,9 +22,10 @@ the Triton kernel's splits are (`kernel.combine`). A split that starts past its 
 valid slot reads nothing (the Triton kernel skips such blocks one by one).
 
 The scales of all kv heads of a slot are copied together (a bulk copy's rows must be 16 bytes
-or more); each head's columns are loaded as the 8-column tile that holds them and picked out in
-registers (a masked sum across the four threads that share a row). Numerics are the Triton kernel's: each value is the engine's XLA
-dequantization in bf16; products accumulate in float32.
+or more); each head's columns are loaded as the half of the row that holds them and picked out
+in registers (a masked sum across the four threads that share a row). Numerics are the Triton
+kernel's: each value is the engine's XLA dequantization in bf16; products accumulate in
+float32.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pallas_kernels.fp4_matmul.mosaic import _decode_asm, _load, _scale_row
 CHUNK = 32  # code bytes (64 head_dim values) a decode and its two instructions take
 BLOCK_S = 64  # slots a step: wgmma's M
 ROWS = 16  # query heads a kv head, padded: wgmma's N
+_N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}  # arrays a cache: values; codes, scales[, globals]
 
 
 def _column(tile, c):
@@ -155,19 +157,18 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     for i, q_part in enumerate(q_smem):  # Q^T's even and odd rows (or all), once
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, hi, pl.ds(i * width, width)], q_part, barrier)
       plgpu.barrier_wait(barrier)
+    s0 = si * steps
     # the values (or codes) of this kv head; the scales and globals of all heads
     cache_specs = [plgpu.BlockSpec((None, BLOCK_S, k_gmem[0].shape[2] // kv_heads),
                                    lambda k: (bi, s0 + k, hi))]
     cache_specs += [plgpu.BlockSpec((None, BLOCK_S, a.shape[2]), lambda k: (bi, s0 + k, 0))
                     for a in k_gmem[1:]]
-    init = empty()
-    s0 = si * steps
     m, l, o = plgpu.emit_pipeline(
         functools.partial(step, q_smem=q_smem, v_bufs=v_bufs, p_smem=p_smem),
         grid=(steps,),
         in_specs=[plgpu.BlockSpec((None, BLOCK_S), lambda k: (bi, s0 + k)),
                   *cache_specs, *cache_specs],
-        max_concurrent_steps=max_concurrent_steps, init_carry=init,
+        max_concurrent_steps=max_concurrent_steps, init_carry=empty(),
     )(mask_gmem, *k_gmem, *v_gmem)
     return m, l, o
 
@@ -199,8 +200,6 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
   pl.when(reads)(lambda: store(*pl.run_scoped(run, **scoped)))
   pl.when(jnp.logical_not(reads))(lambda: store(*empty()))
 
-
-_N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "splits", "max_concurrent_steps"))
