@@ -41,10 +41,15 @@ def supports(slots: int, head_dim: int, block_s: int) -> bool:
           and head_dim >= 32 and _pow2(head_dim) == head_dim)
 
 
+def cache_format(c) -> str:
+  """A cache's format name: "bf16" for an array, else its `QArray`'s."""
+  return c.fmt.name if isinstance(c, QArray) else "bf16"
+
+
 def _cache_arrays(c):
-  if not isinstance(c, QArray):
-    return "bf16", (c.astype(jnp.bfloat16),)
-  fmt = c.fmt.name
+  fmt = cache_format(c)
+  if fmt == "bf16":
+    return fmt, (c.astype(jnp.bfloat16),)
   return fmt, (c.codes, c.scales) + ((c.global_scale,) if fmt == "nvfp4" else ())
 
 
@@ -57,9 +62,9 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   """One query per sequence, q [B, H, Dh], against the caches K, V [B, S, Kv, Dh] at the slots
   where mask [B, S] is true -> [B, H, Dh] bf16 (query head h reads kv head h // (H / Kv)).
 
-  `backend` picks the kernel: "triton" (`kernel.py`; block_s, num_warps, num_stages, decode and
-  interpret are its) or "mosaic" (`mosaic.py`, the wgmma kernel, compiled Hopper only; 64-slot
-  blocks, max_concurrent_steps copies in flight). `decode` ("asm" | "bits") picks how the Triton
+  `backend` picks the kernel: "triton" (`kernel.py`; block_s, num_warps, num_stages, decode,
+  interpret and poison are its) or "mosaic" (`mosaic.py`, the wgmma kernel, compiled Hopper
+  only; 64-slot blocks, max_concurrent_steps copies in flight). `decode` ("asm" | "bits") picks how the Triton
   kernel unpacks FP4, as in `fp4_matmul`; `splits` how many programs share one sequence
   (default: enough to fill the device)."""
   if implementation not in IMPLEMENTATIONS:
@@ -69,13 +74,14 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   reference.check(q_BxHxDh, k, v, mask_BxS)
   if implementation == "xla":
     return reference.decode_attention(q_BxHxDh, k, v, mask_BxS)
+  if cache_format(k) != cache_format(v):
+    raise ValueError(f"K ({cache_format(k)}) and V ({cache_format(v)}) caches must share a "
+                     "format")
   if backend == "mosaic":
-    if interpret:
-      raise ValueError("the mosaic backend has no interpret mode: use backend='triton'")
+    if interpret or poison:
+      raise ValueError("the mosaic backend has no interpret mode and no poisoned outputs: use "
+                       "backend='triton' for those")
     from pallas_kernels.decode_attention import mosaic
-    fmt_k, fmt_v = _cache_arrays(k)[0], _cache_arrays(v)[0]
-    if fmt_k != fmt_v:
-      raise ValueError(f"K ({fmt_k}) and V ({fmt_v}) caches must share a format")
     return mosaic.decode_attention(q_BxHxDh, k, v, mask_BxS, splits=splits,
                                    max_concurrent_steps=max_concurrent_steps)
   b, h, dh = q_BxHxDh.shape
@@ -84,10 +90,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
     raise ValueError(f"the pallas kernel needs the cache's {s} slots divisible by block_s "
                      f"({block_s}, a power of two >= 16) and head_dim ({dh}) a power of two "
                      ">= 32 (the Triton lowering's tiles are powers of two)")
-  fmt, k_arrays = _cache_arrays(k)
-  fmt_v, v_arrays = _cache_arrays(v)
-  if fmt != fmt_v:
-    raise ValueError(f"K ({fmt}) and V ({fmt_v}) caches must share a format")
+  (fmt, k_arrays), (_, v_arrays) = _cache_arrays(k), _cache_arrays(v)
   g = h // kv
   rows = max(_pow2(g), MIN_ROWS)
   q = q_BxHxDh.astype(jnp.bfloat16).reshape(b, kv, g, dh)

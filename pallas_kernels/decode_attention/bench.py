@@ -1,7 +1,7 @@
 """Benchmark of decode attention over FP4 and bf16 KV caches, in one run.
 
     python -m pallas_kernels.decode_attention.bench [--out=DIR] [--batches=16,64]
-        [--contexts=2048,8192,32768]
+        [--contexts=2048,8192,32768] [--backends=triton,mosaic]
 
 qwen3_30b_a3b attention (32 query heads on 4 kv heads, head_dim 128), one query per sequence,
 every slot valid. Per (batch, context): XLA's bf16 attention (the reference), the project's
@@ -69,9 +69,10 @@ def torch_sdpa_seconds(b: int, s: int, copies: int) -> float | None:
 def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:
   result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "copy_bytes_per_s": copy_bandwidth(), "rows": [], "errors": []}
-  configs = configs or CONFIGS
-  if not mosaic_matmul.available():
-    configs = [c for c in configs if c.get("backend") != "mosaic"]
+  configs = CONFIGS if configs is None else configs
+  if not mosaic_matmul.available() and any(c["backend"] == "mosaic" for c in configs):
+    configs = [c for c in configs if c["backend"] != "mosaic"]
+    result["errors"].append("the mosaic backend was not run: it needs a Hopper GPU")
   key = jax.random.PRNGKey(0)
   for b in batches:
     for s in contexts:
@@ -165,6 +166,8 @@ def main():
   if unknown:
     parser.error(f"unknown backends {sorted(unknown)}; choose from {api.BACKENDS}")
   configs = [c for c in CONFIGS if c["backend"] in backends]
+  if not configs:
+    parser.error(f"--backends names none of {api.BACKENDS}")
   result = run(ints(args.batches), ints(args.contexts), configs)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "decode_attention_bench.json"), "w") as fh:

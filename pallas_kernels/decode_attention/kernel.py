@@ -150,7 +150,9 @@ def decode_attention_partials(q, mask, end, k_refs, v_refs, *, fmt: str, block_s
 
 
 def valid_end(mask):
-  """mask [B, S] -> [B] int32: one past each row's last valid slot (0 for a row with none)."""
+  """mask [B, S] (nonzero: valid) -> [B] int32: one past each row's last valid slot (0 for a row
+  with none)."""
+  mask = mask != 0
   s = mask.shape[1]
   last = s - jnp.argmax(mask[:, ::-1], axis=1)
   return jnp.where(jnp.any(mask, axis=1), last, 0).astype(jnp.int32)

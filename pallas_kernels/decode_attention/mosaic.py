@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.decode_attention import kernel
 from pallas_kernels.decode_attention.kernel import _MASKED
 from pallas_kernels.fp4_matmul.mosaic import _decode_asm, _load, _scale_row
 
@@ -208,9 +209,9 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
   """Q^T q_t [B, Kv, Dh, 16] bf16 (the query heads of each kv head padded to 16; for the packed
   formats head_dim in [even | odd] order), mask [B, S] int32 (a block's 256 bytes keep every
   pipeline slot aligned for its bulk copy), end [B] int32 (`kernel.valid_end` of the mask:
-  splits that start from it on read nothing), each cache as 3-D arrays of
-  [B, S, bytes a slot] (bf16 [B, S, Kv x Dh]; codes [B, S, Kv x Dh/2], scales [B, S, Kv x Dh/block]
-  bytes and NVFP4's globals [B, S, Kv x 4] bytes), the kv heads of a slot side by side ->
+  splits that start from it on read nothing), each cache as 3-D arrays of [B, S, bytes a slot]
+  (bf16 [B, S, Kv x Dh]; codes [B, S, Kv x Dh/2], scales [B, S, Kv x Dh/block] bytes and
+  NVFP4's globals [B, S, Kv x 4] bytes), the kv heads of a slot side by side ->
   per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order), m and l
   [splits, B, Kv, 16]."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -240,21 +241,32 @@ def _check(fmt):
     raise ValueError(f"fmt must be one of {tuple(_N_CACHE)}, got {fmt!r}")
 
 
-def supports(kv_heads: int, head_dim: int, group: int, fmt: str) -> bool:
-  """Whether the wgmma kernel takes these heads: at most 16 query heads a kv head, head_dim a
-  multiple of 64, and each bulk-copied row of the scales (and NVFP4's globals), all kv heads of
-  a slot side by side, a multiple of 16 bytes whose halves hold whole heads."""
-  if group > ROWS or head_dim % (2 * CHUNK):
-    return False
+def unsupported(kv_heads: int, head_dim: int, group: int, fmt: str, slots: int) -> str | None:
+  """Why the wgmma kernel cannot take these sizes, or None if it can: at most 16 query heads a kv
+  head, head_dim a multiple of 64, the slots a multiple of 64, and each bulk-copied row of the
+  scales (and NVFP4's globals), all kv heads of a slot side by side, a multiple of 16 bytes
+  whose halves hold whole heads."""
+  if group > ROWS:
+    return f"at most {ROWS} query heads a kv head (got {group})"
+  if head_dim % (2 * CHUNK) or slots % BLOCK_S:
+    return (f"head_dim ({head_dim}) and the slots ({slots}) multiples of {2 * CHUNK} and "
+            f"{BLOCK_S}")
   if fmt == "bf16":
-    return True
-  nb = head_dim // (32 if fmt == "mxfp4" else 16)
-
-  def fits(n):  # n bytes a head: rows of 16-byte multiples, a head's bytes in whole tiles
+    return None
+  per_head = {"scales": head_dim // (32 if fmt == "mxfp4" else 16)}
+  if fmt == "nvfp4":
+    per_head["globals"] = 4
+  for what, n in per_head.items():
     width = max(8, kv_heads * n // 2)  # `_head_columns`
-    return (kv_heads * n) % 16 == 0 and (width % n == 0 or n % width == 0)
+    if (kv_heads * n) % 16 or (width % n and n % width):
+      return (f"the {fmt} {what} of a slot's {kv_heads} kv heads ({kv_heads} x {n} bytes) a "
+              f"multiple of 16 bytes whose halves hold whole heads")
+  return None
 
-  return fits(nb) and (fmt == "mxfp4" or fits(4))
+
+def supports(kv_heads: int, head_dim: int, group: int, fmt: str, slots: int = BLOCK_S) -> bool:
+  """Whether the wgmma kernel takes these sizes (`unsupported`)."""
+  return unsupported(kv_heads, head_dim, group, fmt, slots) is None
 
 
 def _slot_rows(cache, fmt, b, s):
@@ -274,16 +286,14 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
   """`api.decode_attention`'s "pallas" path on the wgmma kernel (compiled Hopper only): q
   [B, H, Dh], caches [B, S, Kv, Dh] (bf16, or MXFP4 / NVFP4 `QArray`s along head_dim), mask
   [B, S] -> [B, H, Dh] bf16. Inputs are checked by the caller (`api`)."""
-  from pallas_kernels.decode_attention import api, kernel
+  from pallas_kernels.decode_attention import api
   b, h, dh = q_BxHxDh.shape
   s, kv = k.shape[1], k.shape[2]
-  fmt = api._cache_arrays(k)[0]
+  fmt = api.cache_format(k)
   g = h // kv
-  if not supports(kv, dh, g, fmt) or s % BLOCK_S:
-    raise ValueError(f"the wgmma decode attention needs at most {ROWS} query heads a kv head "
-                     f"(got {g}), head_dim ({dh}) a multiple of {2 * CHUNK}, the slots ({s}) a "
-                     f"multiple of {BLOCK_S} and, for {fmt}, {kv} kv heads' scales a slot a "
-                     "multiple of 16 bytes")
+  why = unsupported(kv, dh, g, fmt, s)
+  if why:
+    raise ValueError(f"the wgmma decode attention needs {why}")
   q = q_BxHxDh.astype(jnp.bfloat16).reshape(b, kv, g, dh)
   if fmt != "bf16":  # head_dim in [even | odd] order, the order of the decoded nibbles
     q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
@@ -293,8 +303,8 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
     raise ValueError(f"splits ({splits}) must divide the {s // BLOCK_S} blocks of {BLOCK_S} "
                      "slots")
   o_t, m, l = decode_attention_partials(
-      q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, fmt, b, s), _slot_rows(v, fmt, b, s),
-      fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
+      q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, fmt, b, s),
+      _slot_rows(v, fmt, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
   out = kernel.combine(jnp.swapaxes(o_t, -1, -2), m, l)[:, :, :g]
   if fmt != "bf16":
     out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)

@@ -194,7 +194,8 @@ def test_mosaic_wrapper_around_an_emulated_kernel(fmt, monkeypatch):
   name = fmt_id(fmt)
   monkeypatch.setattr(mosaic, "decode_attention_partials", _emulated_partials(name))
   q, k, v, mask = inputs(11, 3, 256, 4, 6, 128, fmt, lengths=[256, 120, 70])
-  mask = mask.at[2, :128].set(False)  # a whole split masked
+  mask = mask.at[0, :64].set(False)  # a whole split masked, read (valid slots follow)
+  mask = mask.at[2, :128].set(False)  # a sequence with no valid slot
   got = decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", splits=4)
   want = decode_attention(q, k, v, mask)
   assert got.shape == want.shape and got.dtype == jnp.bfloat16
@@ -216,6 +217,7 @@ def test_valid_end_is_one_past_the_last_valid_slot():
   from pallas_kernels.decode_attention.kernel import valid_end
   mask = jnp.asarray([[1, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0]], bool)
   np.testing.assert_array_equal(valid_end(mask), [2, 4, 0, 2])
+  np.testing.assert_array_equal(valid_end(jnp.asarray([[0, 2, 1, 0]], jnp.int8)), [3])
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
@@ -225,7 +227,7 @@ def test_kernel_reads_no_block_past_the_sequence_end(fmt):
   q, k, v, mask = inputs(15, 2, 128, 2, 4, 64, fmt, lengths=[128, 40])
   want = decode_attention(q, k, v, mask)
   kp, vp = (poisoned_past(c, 1, 64, fmt) for c in (k, v))  # blocks of 32: from the third on
-  got = decode_attention(q, kp, vp, mask, implementation="pallas", block_s=32, splits=2,
+  got = decode_attention(q, kp, vp, mask, implementation="pallas", block_s=32, splits=1,
                          interpret=True, poison=True)
   assert np.isfinite(np.asarray(got, np.float32)).all()
   assert rel(got, want) < 4e-3
@@ -237,12 +239,20 @@ def test_mosaic_backend_names_what_is_wrong():
     decode_attention(q, k, v, mask, implementation="pallas", backend="cuda")
   with pytest.raises(ValueError, match="no interpret mode"):
     decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", interpret=True)
+  with pytest.raises(ValueError, match="no poisoned outputs"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", poison=True)
   q20, k1, v1, mask1 = inputs(13, 1, 128, 1, 20, 64, None)  # 20 query heads a kv head
   with pytest.raises(ValueError, match="at most 16 query heads"):
     decode_attention(q20, k1, v1, mask1, implementation="pallas", backend="mosaic")
   q2, k2, v2, mask2 = inputs(14, 1, 128, 1, 8, 64, MXFP4)  # one kv head's scales: 2 bytes
-  with pytest.raises(ValueError, match="multiple of 16 bytes"):
+  with pytest.raises(ValueError, match="mxfp4 scales of a slot's 1 kv heads.*16 bytes"):
     decode_attention(q2, k2, v2, mask2, implementation="pallas", backend="mosaic")
+  q3, k3, v3, mask3 = inputs(15, 1, 128, 2, 8, 128, NVFP4)  # globals: 2 x 4 bytes a slot
+  with pytest.raises(ValueError, match="nvfp4 globals of a slot's 2 kv heads"):
+    decode_attention(q3, k3, v3, mask3, implementation="pallas", backend="mosaic")
+  q4, k4, v4, mask4 = inputs(16, 1, 96, 4, 8, 128, MXFP4)  # 96 slots
+  with pytest.raises(ValueError, match="the slots \\(96\\)"):
+    decode_attention(q4, k4, v4, mask4, implementation="pallas", backend="mosaic")
 
 
 @pytest.mark.gpu

@@ -174,8 +174,7 @@ def _kernel_rollouts(precision):
 @pytest.mark.parametrize("precision", ["mxfp4", "nvfp4", "bf16"])
 def test_pallas_kernels_compute_what_xla_computes(precision):
   """kernels="pallas", weights packed for the kernels (interpret mode here, the Triton kernels
-  on the packed weights; compiled on a Hopper GPU, the Mosaic FP4 kernels on the tiled ones and
-  the Mosaic attention on MXFP4 caches):
+  on the packed weights; compiled on a Hopper GPU, the Mosaic FP4 kernels on the tiled ones):
   FP4 weights and caches decode to the very bf16 values XLA's dequantization gives (NVFP4's
   global folded into each value first), and activations and K/V quantize to the quant core's
   codes and records bit for bit for the same input (tests/pallas_kernels), so only the order of

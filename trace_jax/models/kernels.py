@@ -13,10 +13,12 @@ Which kernel runs, as measured on the H200 (BENCHMARKS.md): FP4 weights packed f
 (`weight_layout`, applied by the weight sync `pack_weights(..., kernels="pallas")`) run the
 Mosaic GPU kernels, which take them pre-tiled; weights packed plainly run the Triton ones, as do
 bf16 weights (below BF16_XLA_FROM tokens; XLA's dot from there on; bf16 experts always),
-attention over bf16 and NVFP4 caches (MXFP4 caches run the Mosaic attention kernel on Hopper),
-the quantization of activations and K/V and, off Hopper, everything (the weight sync then leaves
-FP4 weights untiled). On a backend other than GPU the Triton
-kernels run in Pallas' interpret mode (tiled weights taken back first): slow, for tests.
+attention (the Mosaic attention kernel is 1.05-1.12x faster on a full MXFP4 cache, but it
+skips only whole splits past a sequence's end, where the Triton kernel skips blocks, and a
+rollout's cache is about half full on average), the quantization of activations and K/V and,
+off Hopper, everything (the weight sync then leaves FP4 weights untiled). On a backend other
+than GPU the Triton kernels run in Pallas' interpret mode (tiled weights taken back first):
+slow, for tests.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.decode_attention import mosaic as mosaic_attention
 from pallas_kernels.decode_attention.api import supports as supports_attention
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
@@ -40,10 +41,6 @@ from trace_jax.quant.formats import Format
 KERNELS = ("xla", "pallas")
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
 _FP4_CACHES = ("mxfp4", "nvfp4")
-# caches whose attention runs the Mosaic (wgmma) kernel on Hopper: MXFP4, where it measured
-# 1.05-1.12x the Triton kernel's speed (on the Triton tiles used here) from 2K slots at batch 64
-# and 8K at batch 16; bf16 and NVFP4 measured 1.3-1.5x slower there (BENCHMARKS.md)
-_MOSAIC_ATTENTION = ("mxfp4",)
 
 
 def check(kernels: str, act_dtype) -> None:
@@ -139,10 +136,6 @@ def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array) -> jax.Array | Non
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
     return None
   slots, head_dim = k.shape[1], k.shape[-1]
-  fmt = k.fmt.name if isinstance(k, QArray) else "bf16"
-  if (fmt in _MOSAIC_ATTENTION and mosaic.available() and slots % mosaic_attention.BLOCK_S == 0
-      and mosaic_attention.supports(k.shape[2], head_dim, q_BxHxDh.shape[1] // k.shape[2], fmt)):
-    return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", backend="mosaic")
   block_s = _divisor(slots, (64, 32, 16))
   if block_s is None or not supports_attention(slots, head_dim, block_s):
     return None
