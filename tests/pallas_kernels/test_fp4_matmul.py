@@ -149,9 +149,13 @@ def test_group_tiles_places_each_group_at_its_tiles(block_m):
   says where each row went (out of range past the groups)."""
   from pallas_kernels.fp4_matmul.api import _group_tiles
   rng = np.random.default_rng(block_m)
-  for _ in range(30):
-    e, t = int(rng.integers(1, 7)), int(rng.integers(1, 50))
-    used = int(rng.integers(0, t + 1))
+  # the edges (one expert, one row, none used; every row used), then random cases (each shape
+  # compiles once: a few suffice)
+  cases = [(1, 1, 0), (6, 49, 49), (3, 2 * block_m, 2 * block_m - 1)]
+  for _ in range(9):
+    t = int(rng.integers(1, 50))
+    cases.append((int(rng.integers(1, 7)), t, int(rng.integers(0, t + 1))))
+  for e, t, used in cases:
     cuts = np.sort(rng.integers(0, used + 1, e - 1))
     sizes = np.diff(np.concatenate([[0], cuts, [used]])).astype(np.int32)
     x = rng.normal(size=(t, 3)).astype(np.float32)
