@@ -64,9 +64,9 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
 
   `backend` picks the kernel: "triton" (`kernel.py`; block_s, num_warps, num_stages, decode,
   interpret and poison are its) or "mosaic" (`mosaic.py`, the wgmma kernel, compiled Hopper
-  only; 64-slot blocks, max_concurrent_steps copies in flight). `decode` ("asm" | "bits") picks how the Triton
-  kernel unpacks FP4, as in `fp4_matmul`; `splits` how many programs share one sequence
-  (default: enough to fill the device)."""
+  only; 64-slot blocks, max_concurrent_steps copies in flight). `decode` ("asm" | "bits") picks
+  how the Triton kernel unpacks FP4, as in `fp4_matmul`; `splits` how many programs share one
+  sequence (default: enough to fill the device)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if backend not in BACKENDS:
@@ -103,8 +103,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
                      "slots")
   o, m, l = kernel.decode_attention_partials(
       q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), k_arrays, v_arrays, fmt=fmt,
-      block_s=block_s, splits=splits,
-      num_warps=num_warps, num_stages=num_stages,
+      block_s=block_s, splits=splits, num_warps=num_warps, num_stages=num_stages,
       decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
   out = kernel.combine(o, m, l)[:, :, :g]  # NaN here means an unwritten (poisoned) element
   if fmt != "bf16":

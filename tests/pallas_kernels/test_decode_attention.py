@@ -180,8 +180,8 @@ def _emulated_partials(fmt):
     m, l = jnp.moveaxis(m, -1, 0), jnp.moveaxis(jnp.sum(p, axis=-1), -1, 0)
     # a split from the sequence's end on reads nothing: the empty state, whatever the cache holds
     reads = (jnp.arange(splits) * (s // splits))[:, None] < end[None, :]  # [splits, B]
-    return (jnp.where(reads[:, :, None, None, None], o, 0.0),
-            jnp.where(reads[:, :, None, None], m, -1e30), jnp.where(reads[:, :, None, None], l, 0.0))
+    r = reads[:, :, None, None]
+    return jnp.where(r[..., None], o, 0.0), jnp.where(r, m, -1e30), jnp.where(r, l, 0.0)
 
   return partials
 
