@@ -158,15 +158,15 @@ def test_bad_prompts():
                     jax.random.PRNGKey(0))
 
 
-def _kernel_rollouts(precision):
+def _kernel_rollouts(precision, max_new_tokens=6):
   cfg, params = policy()
   recipe = QuantRecipe.uniform(precision)
   tokens, lengths = pad_prompts(PROMPTS)
   out = []
   for kernels in ("xla", "pallas"):
     weights = pack_weights(cfg, params, recipe, kernels=kernels)
-    engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=6, temperature=0.0),
-                           records="all", attn_chunk=16, kernels=kernels)
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    engine = RolloutEngine(cfg, recipe, sampling, records="all", attn_chunk=16, kernels=kernels)
     out.append(engine.generate(weights, tokens, lengths, jax.random.PRNGKey(7)))
   return out
 
@@ -178,12 +178,17 @@ def test_pallas_kernels_compute_what_xla_computes(precision):
   FP4 weights and caches decode to the very bf16 values XLA's dequantization gives (NVFP4's
   global folded into each value first), and activations and K/V quantize to the quant core's
   codes and records bit for bit for the same input (tests/pallas_kernels), so only the order of
-  float32 sums differs. In interpret mode the sums run in XLA's order: every record is equal.
+  float32 sums differs. In interpret mode the sums run in XLA's order while the cache is one
+  attention block, as here (16 slots): every record is equal (past one block, see the next
+  test).
   Compiled, another order can move a bf16 rounding, and past it an FP4 code, in a later layer:
   in one run on the H200 (NVFP4, this policy and seed) 1, 3 and 15 record bytes of three
   second-layer sites of 384-768 (at most 2%), the first layer's all equal, the same tokens and
   log-probabilities; the bounds below leave room for other GPUs' orders."""
-  xla, pallas = _kernel_rollouts(precision)
+  _assert_same_rollouts(*_kernel_rollouts(precision))
+
+
+def _assert_same_rollouts(xla, pallas):
   np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
   np.testing.assert_allclose(np.asarray(pallas.logp), np.asarray(xla.logp), atol=1e-5)
   compiled = jax.default_backend() == "gpu"
@@ -194,6 +199,23 @@ def test_pallas_kernels_compute_what_xla_computes(precision):
         assert np.mean(got != want) < 0.05, (layer, site, np.mean(got != want))
       else:
         np.testing.assert_array_equal(got, want, err_msg=f"layer {layer} {site}")
+
+
+def test_pallas_attention_over_a_cache_it_has_not_filled():
+  """A rollout's cache has room for its longest answer: with 30 new tokens after 7-token
+  prompts it has 48 slots, three of the attention kernel's 16-slot blocks, and until a sequence
+  reaches a block the kernel skips it (`valid_end`). Past one block the kernel's online softmax
+  rounds its bf16 probabilities against a running max, XLA's flash-decoding against each
+  chunk's: bf16 weights and caches give the same tokens, log-probabilities equal up to the
+  first step past a block, then within rounding. (In FP4 a rounding can move an activation's
+  code and, some steps on, a greedy token: with MXFP4 here, two of four sequences at their 15th
+  and 23rd new token.)"""
+  xla, pallas = _kernel_rollouts("bf16", max_new_tokens=30)
+  assert xla.tokens.shape[1] == 7 + 30  # 36 fed tokens: a 48-slot cache
+  np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
+  got, want = np.asarray(pallas.logp), np.asarray(xla.logp)
+  np.testing.assert_array_equal(got[:, :17], want[:, :17])  # one block: XLA's order
+  np.testing.assert_allclose(got, want, atol=0.03)
 
 
 @pytest.mark.parametrize("precision", ["mxfp4", "nvfp4"])

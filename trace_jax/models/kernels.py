@@ -3,7 +3,9 @@ FP4 quantization computed by XLA ("xla") or by the Pallas kernels of `pallas_ker
 
 Both compute the same numbers up to the order of float32 sums: the kernels decode each FP4
 value to the bf16 that XLA's dequantization gives (NVFP4's global folded into each block scale
-in float32 before the rounding to bf16). The kernels take MXFP4 and NVFP4 weights and caches,
+in float32 before the rounding to bf16). Attention past one of its kernel's blocks also rounds
+differently: the kernel's online softmax takes each block's probabilities to bf16 against a
+running max, XLA's flash-decoding against its chunk's. The kernels take MXFP4 and NVFP4 weights and caches,
 and bf16 ones (the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the
 same design); MXFP4 and NVFP4 activations and K/V are quantized, with their records, by the
 fused quantize-and-record kernel (bit for bit the quant core's codes and records); other
