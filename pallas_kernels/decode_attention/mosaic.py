@@ -269,16 +269,15 @@ def supports(kv_heads: int, head_dim: int, group: int, fmt: str, slots: int = BL
   return unsupported(kv_heads, head_dim, group, fmt, slots) is None
 
 
-def _slot_rows(cache, fmt, b, s):
-  """A cache (bf16 [B, S, Kv, Dh] or a packed `QArray`) -> the kernel's [B, S, bytes a slot]
-  arrays; NVFP4's float32 globals as their four bytes each."""
-  if fmt == "bf16":
-    return (cache.astype(jnp.bfloat16).reshape(b, s, -1),)
-  arrays = (cache.codes.reshape(b, s, -1), cache.scales.reshape(b, s, -1))
+def _slot_rows(cache, b, s):
+  """A cache (bf16 [B, S, Kv, Dh] or a packed `QArray`) -> the Triton kernel's arrays
+  (`api._cache_arrays`) as this kernel's [B, S, bytes a slot]; NVFP4's float32 globals as their
+  four bytes each."""
+  from pallas_kernels.decode_attention import api
+  fmt, arrays = api._cache_arrays(cache)
   if fmt == "nvfp4":
-    g = jax.lax.bitcast_convert_type(cache.global_scale.astype(jnp.float32), jnp.uint8)
-    arrays += (g.reshape(b, s, -1),)
-  return arrays
+    arrays = (*arrays[:2], jax.lax.bitcast_convert_type(arrays[2].astype(jnp.float32), jnp.uint8))
+  return tuple(a.reshape(b, s, -1) for a in arrays)
 
 
 def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
@@ -303,8 +302,8 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
     raise ValueError(f"splits ({splits}) must divide the {s // BLOCK_S} blocks of {BLOCK_S} "
                      "slots")
   o_t, m, l = decode_attention_partials(
-      q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, fmt, b, s),
-      _slot_rows(v, fmt, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
+      q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, b, s),
+      _slot_rows(v, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
   out = kernel.combine(jnp.swapaxes(o_t, -1, -2), m, l)[:, :, :g]
   if fmt != "bf16":
     out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)
