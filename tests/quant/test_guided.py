@@ -39,7 +39,9 @@ def codes_of(fmt, x):
 def test_drift_flips_plain_codes_but_never_guided_ones(fmt, seed):
   rng = np.random.default_rng(seed)
   x = activations(rng)
-  drift = (x * (1 + 1e-3 * rng.uniform(-1, 1, x.shape))).astype(np.float32)
+  # about one bf16 ulp, the gap two numerical paths open; at 1e-3 a seed now and then flipped
+  # no MXFP4 code at all (2 in 200), at 2^-8 every one of 300 seeds flipped 18 or more
+  drift = (x * (1 + 2.0**-8 * rng.uniform(-1, 1, x.shape))).astype(np.float32)
   qa = quantize(jnp.asarray(x), fmt)
   rollout = np.asarray(dequantize(qa))
   # plain round-to-nearest on the drifted tensor flips some codes ...
