@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from configs import coding, long_horizon, reasoning
-from trace_jax.rl.loop import _check_same_config, saved_config, train
+from trace_jax.rl.checkpoint import Checkpointer
+from trace_jax.rl.loop import _check_same_config, _config_json, saved_config, train
 from trace_jax.rl.trainer import MODES
 from trace_jax.rl.writer import read_metrics
 
@@ -42,13 +43,13 @@ def command(workdir, data_dir, *overrides):
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
-def launch(workdir, data_dir, *overrides, **kw):
-  return subprocess.Popen(command(workdir, data_dir, *overrides), cwd=ROOT, env=ENV, text=True,
+def launch(workdir, data_dir, *overrides, env=ENV, **kw):
+  return subprocess.Popen(command(workdir, data_dir, *overrides), cwd=ROOT, env=env, text=True,
                           **kw)
 
 
-def run_cli(workdir, data_dir, *overrides):
-  out = subprocess.run(command(workdir, data_dir, *overrides), cwd=ROOT, env=ENV,
+def run_cli(workdir, data_dir, *overrides, env=ENV):
+  out = subprocess.run(command(workdir, data_dir, *overrides), cwd=ROOT, env=env,
                        capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout + out.stderr
@@ -97,10 +98,13 @@ def test_the_other_families_run(config, data_dir, tmp_path):
 def test_killed_run_resumes_as_if_never_stopped(data_dir, tmp_path):
   overrides = ("--config.rl.steps=10", "--config.checkpoint.every=3",
                "--config.log.flip_rate_every=0")
+  # the three processes compile the same programs: JAX's persistent cache compiles them once
+  env = dict(ENV, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   ref = tmp_path / "ref"
-  run_cli(ref, data_dir, *overrides)
+  run_cli(ref, data_dir, *overrides, env=env)
   killed = tmp_path / "killed"
-  proc = launch(killed, data_dir, *overrides, stdout=subprocess.DEVNULL,
+  proc = launch(killed, data_dir, *overrides, env=env, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
   metrics = killed / "metrics.jsonl"
   deadline = time.time() + 300
@@ -113,7 +117,7 @@ def test_killed_run_resumes_as_if_never_stopped(data_dir, tmp_path):
   assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
   partial = len(metrics.read_text().splitlines())
   assert 8 <= partial < 13
-  assert "resumed from step 6" in run_cli(killed, data_dir, *overrides)
+  assert "resumed from step 6" in run_cli(killed, data_dir, *overrides, env=env)
   assert comparable(read_metrics(str(killed))) == comparable(read_metrics(str(ref)))
 
 
@@ -168,10 +172,15 @@ def test_bad_config_fails_before_any_work(data_dir, tmp_path):
 
 
 def test_resuming_with_another_config_is_refused(data_dir, tmp_path):
-  short = ("sft.steps=1", "rl.steps=1", "eval.every=100")  # a checkpoint is all this needs
-  train(smoke(data_dir, *short), str(tmp_path), progress=False, log=lambda *_: None)
+  # the config is checked against the newest checkpoint's before any state is built, so a
+  # checkpoint that holds only the metadata train() writes is all this needs
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(1, {"step": np.zeros((), np.int32)},
+            {"step": 1, "config": _config_json(smoke(data_dir))})
+  ckpt.close()
   with pytest.raises(ValueError, match=r"different config \(keys \['rl.lr'\]\)"):
-    train(smoke(data_dir, *short, "rl.lr=0.5"), str(tmp_path), progress=False)
+    train(smoke(data_dir, "rl.lr=0.5"), str(tmp_path), progress=False)
+  assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
 def test_a_config_saved_before_a_key_existed_loads_with_its_default(data_dir):
