@@ -7,13 +7,15 @@
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
 nvfp4; the engine's kernels: xla | pallas | triton, where "pallas" is the engine's kernel switch
 as a user sets it, the weight sync packing FP4 weights for the Mosaic GPU kernels, and "triton"
-the same switch with FP4 weights packed plainly, which runs the Triton FP4 kernels instead) and
-batch size, the rollout engine decodes `steps`
-tokens per sequence after `context` tokens of context, in one jitted decode loop (records off,
-sampling at temperature 1). The cache holds random codes for the context (the attention reads
-every slot up to the current token whatever its content), so no prefill of B x 4K tokens is
-needed; `--slots` makes the cache longer than what it holds, as a rollout's is; the
-policy is a random init (what is timed does not depend on the weights' values).
+the same switch with FP4 weights packed plainly, which runs the Triton FP4 kernels instead;
+under either, an optional third field picks the decode attention's backend:
+`mxfp4:pallas:mosaic` the Mosaic attention kernel, `:triton`, the default, the Triton one) and
+batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
+context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
+random codes for the context (the attention reads every slot up to the current token whatever
+its content), so no prefill of B x 4K tokens is needed; `--slots` makes the cache longer than
+what it holds, as a rollout's is; the policy is a random init (what is timed does not depend on
+the weights' values).
 
 Reported per row: decode tokens/s (B x steps / wall seconds of the loop, one dispatch), the
 bytes one decode step must move (weights of the attention and of the experts the batch can hit
@@ -48,6 +50,18 @@ from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
 
 VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:pallas",
             "mxfp4:triton", "nvfp4:triton")
+ATTENTION = ("triton", "mosaic")  # the third field of a kernels variant, e.g. mxfp4:pallas:mosaic
+
+
+def parse_variant(v: str) -> tuple[str, str, str]:
+  """A variant, "precision:kernels[:attention]" -> (precision, kernels, attention backend)."""
+  parts = v.split(":")
+  base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "triton")
+  if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION or (
+      len(parts) == 3 and parts[1] == "xla"):
+    raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
+                     f"optionally with :{' or :'.join(ATTENTION)} (the attention's backend)")
+  return parts[0], parts[1], attention
 
 
 def random_cache(cache: list, key) -> list:
@@ -164,7 +178,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
-    precision, kernels = variant.split(":")
+    precision, kernels, attention = parse_variant(variant)
     layout = "pallas" if kernels == "pallas" else "xla"  # "triton": FP4 weights packed plainly
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
@@ -172,7 +186,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       packed = {(precision, layout): jax.block_until_ready(
           pack_weights(cfg, params, recipe, kernels=layout))}
     weights = packed[precision, layout]
-    engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels)
+    engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention)
     for b in batches:
       key = jax.random.PRNGKey(b)
       try:
@@ -260,8 +274,10 @@ def main():
   args = parser.parse_args()
   variants = [v for v in args.variants.split(",") if v]
   for v in variants:
-    if v not in VARIANTS:
-      parser.error(f"unknown variant {v!r}; choose from {VARIANTS}")
+    try:
+      parse_variant(v)
+    except ValueError as e:
+      parser.error(str(e))
   os.makedirs(args.out, exist_ok=True)
   result = run(args.layers, [int(b) for b in args.batches.split(",") if b], args.context,
                args.steps, variants, args.preset, args.profile, args.out if args.hlo else None,

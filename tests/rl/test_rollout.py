@@ -218,6 +218,58 @@ def test_pallas_attention_over_a_cache_it_has_not_filled():
   np.testing.assert_allclose(got, want, atol=0.03)
 
 
+def test_mosaic_attention_in_the_engine(monkeypatch):
+  """attention_kernel="mosaic": the decode attention on the Mosaic kernel (no interpret mode:
+  here its jnp emulation from tests/pallas_kernels, compiled on Hopper in the GPU tests there),
+  in splits of at most K.MOSAIC_SPLIT_SLOTS slots. The emulation keeps p in float32 where the
+  kernels (and XLA) round it to bf16, so the rollouts part by rounding: the same greedy tokens
+  as on the Triton kernel for 16 new tokens (here one of four sequences takes another at its
+  20th; the Triton and XLA rollouts agree on all 60), and log-probabilities the training path
+  recomputes for the rollout's own tokens within 0.05 (the Triton rollout's: 0.017)."""
+  from pallas_kernels.decode_attention import mosaic as mosaic_attention
+  from tests.pallas_kernels.test_decode_attention import _emulated_partials
+  from trace_jax.models import kernels as K
+  splits = []
+  emulated = _emulated_partials("bf16")
+
+  def partials(*args, **kw):
+    splits.append(kw["splits"])
+    return emulated(*args, **kw)
+
+  monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: True)
+  monkeypatch.setattr(mosaic_attention, "decode_attention_partials", partials)
+  monkeypatch.setattr(K, "MOSAIC_SPLIT_SLOTS", 64)
+  cfg = tiny(head_dim=64)  # the Mosaic kernel's head_dim: multiples of 64
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  recipe = QuantRecipe.uniform("bf16")
+  weights = pack_weights(cfg, params, recipe, kernels="pallas")
+  tokens, lengths = pad_prompts(PROMPTS)
+  sampling = SamplingConfig(max_new_tokens=60, temperature=0.0)  # 66 fed: a 128-slot cache
+  out = {a: RolloutEngine(cfg, recipe, sampling, attn_chunk=64, kernels="pallas",
+                          attention_kernel=a).generate(weights, tokens, lengths,
+                                                       jax.random.PRNGKey(7))
+         for a in ("triton", "mosaic")}
+  assert splits and set(splits) == {2}  # two splits of 64 slots, one trace a layer
+  first = 7 + 16
+  mosaic, triton = out["mosaic"], out["triton"]
+  np.testing.assert_array_equal(np.asarray(mosaic.tokens)[:, :first],
+                                np.asarray(triton.tokens)[:, :first])
+  np.testing.assert_allclose(np.asarray(mosaic.logp)[:, :first],
+                             np.asarray(triton.logp)[:, :first], atol=0.03)
+  recomputed = train(cfg, params, recipe, mosaic)
+  diff = np.abs(np.asarray(recomputed.logp) - np.asarray(mosaic.logp))
+  assert diff[np.asarray(mosaic.response_mask)].max() < 0.05
+
+
+def test_mosaic_attention_splits():
+  from trace_jax.models import kernels as K
+  assert K.MOSAIC_SPLIT_SLOTS == 1024
+  assert K._mosaic_splits(1024, 64, 64) == 4  # occupancy asks 1; 4096 slots in fours
+  assert K._mosaic_splits(8, 64, 64) == 64  # a small batch: the occupancy's
+  assert K._mosaic_splits(1024, 40, 64) == 4  # 2560 slots: 3 do not divide 40 blocks, 4 do
+  assert K._mosaic_splits(1024, 8, 64) == 1
+
+
 @pytest.mark.parametrize("precision", ["mxfp4", "nvfp4"])
 def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision):
   """pack_weights(kernels="pallas") lays every FP4 projection out for the Mosaic kernels: the
@@ -258,6 +310,9 @@ def test_kernel_switch_errors():
   cfg, _ = policy()
   with pytest.raises(ValueError, match="kernels must be one of"):
     RolloutEngine(cfg, QuantRecipe(), SamplingConfig(), kernels="triton")
+  with pytest.raises(ValueError, match="attention_kernel must be one of.*'flash'"):
+    RolloutEngine(cfg, QuantRecipe(), SamplingConfig(), kernels="pallas",
+                  attention_kernel="flash")
   cfg32, _ = policy("float32")
   with pytest.raises(ValueError, match="bf16 activations"):
     RolloutEngine(cfg32, QuantRecipe(), SamplingConfig(), kernels="pallas")

@@ -1,26 +1,28 @@
 """The rollout engine's kernel switch: its projections, expert matmuls, one-token attention and
 FP4 quantization computed by XLA ("xla") or by the Pallas kernels of `pallas_kernels` ("pallas").
 
-Both compute the same numbers up to the order of float32 sums: the kernels decode each FP4
-value to the bf16 that XLA's dequantization gives (NVFP4's global folded into each block scale
-in float32 before the rounding to bf16). Attention past one of its kernel's blocks also rounds
+Both compute the same numbers up to the order of float32 sums: the kernels decode each FP4 value
+to the bf16 that XLA's dequantization gives (NVFP4's global folded into each block scale in
+float32 before the rounding to bf16). Attention past one of its kernel's blocks also rounds
 differently: the kernel's online softmax takes each block's probabilities to bf16 against a
-running max, XLA's flash-decoding against its chunk's. The kernels take MXFP4 and NVFP4 weights and caches,
-and bf16 ones (the project's bf16 kernels, so that a BF16 rollout is measured on kernels of the
-same design); MXFP4 and NVFP4 activations and K/V are quantized, with their records, by the
-fused quantize-and-record kernel (bit for bit the quant core's codes and records); other
-formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA.
+running max, XLA's flash-decoding against its chunk's. The kernels take MXFP4 and NVFP4 weights
+and caches, and bf16 ones (the project's bf16 kernels, so that a BF16 rollout is measured on
+kernels of the same design); MXFP4 and NVFP4 activations and K/V are quantized, with their
+records, by the fused quantize-and-record kernel (bit for bit the quant core's codes and
+records); other formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA.
 
 Which kernel runs, as measured on the H200 (BENCHMARKS.md): FP4 weights packed for the kernels
 (`weight_layout`, applied by the weight sync `pack_weights(..., kernels="pallas")`) run the
 Mosaic GPU kernels, which take them pre-tiled; weights packed plainly run the Triton ones, as do
 bf16 weights (below BF16_XLA_FROM tokens; XLA's dot from there on; bf16 experts always),
-attention (the Mosaic attention kernel is 1.05-1.12x faster on a full MXFP4 cache, but it
-skips only whole splits past a sequence's end, where the Triton kernel skips blocks, and a
-rollout's cache is about half full on average), the quantization of activations and K/V and,
-off Hopper, everything (the weight sync then leaves FP4 weights untiled). On a backend other
-than GPU the Triton kernels run in Pallas' interpret mode (tiled weights taken back first):
-slow, for tests.
+attention by default (the Mosaic attention kernel is 1.05-1.12x faster on a full MXFP4 cache,
+but it skips only whole splits past a sequence's end, where the Triton kernel skips blocks, and
+a rollout's cache is about half full on average; `RolloutEngine(attention_kernel="mosaic")`
+runs it, in splits of at most MOSAIC_SPLIT_SLOTS slots, for `experiments/bench_rollout.py` to
+time the two), the quantization of activations and K/V and, off Hopper, everything (the weight
+sync then leaves FP4 weights untiled, and the attention is Triton's). On a backend other than
+GPU the Triton kernels run in Pallas' interpret mode (tiled weights taken back first): slow,
+for tests.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.decode_attention import mosaic as mosaic_attention
+from pallas_kernels.decode_attention.api import cache_format, default_splits
 from pallas_kernels.decode_attention.api import supports as supports_attention
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
@@ -41,13 +45,16 @@ from trace_jax.quant import QArray, Record
 from trace_jax.quant.formats import Format
 
 KERNELS = ("xla", "pallas")
+ATTENTION_KERNELS = ("triton", "mosaic")  # the decode attention's backends, under "pallas"
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
 _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
-def check(kernels: str, act_dtype) -> None:
+def check(kernels: str, act_dtype, attention: str = "triton") -> None:
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+  if attention not in ATTENTION_KERNELS:
+    raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {attention!r}")
   if kernels == "pallas" and jnp.dtype(act_dtype) != jnp.bfloat16:
     raise ValueError(f"the pallas kernels take bf16 activations; the model's dtype is "
                      f"{jnp.dtype(act_dtype).name}")
@@ -132,12 +139,37 @@ def quantize(x: jax.Array, fmt: Format) -> tuple[QArray, Record] | None:
   return quantize_and_record(x, fmt.name, implementation="pallas", interpret=_interpret())
 
 
-def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array) -> jax.Array | None:
+# the Mosaic attention skips only whole splits past a sequence's end: splits of at most this
+# many slots, so that a half-filled cache is read about half (more splits, more partial
+# results to combine: [splits, B, Kv, Dh, 16] float32 out and back)
+MOSAIC_SPLIT_SLOTS = 1024
+
+
+def _mosaic_splits(programs: int, blocks: int, block_s: int) -> int:
+  """The splits of the Mosaic attention: the occupancy's (`default_splits`), raised to the
+  fewest dividing the blocks with at most MOSAIC_SPLIT_SLOTS slots each."""
+  least = max(default_splits(programs, blocks), -(-blocks * block_s // MOSAIC_SPLIT_SLOTS))
+  return next(n for n in range(least, blocks + 1) if blocks % n == 0)
+
+
+def _mosaic_attention_runs() -> bool:
+  return mosaic.available()  # the Mosaic kernels' GPU: Hopper
+
+
+def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
+              backend: str = "triton") -> jax.Array | None:
   """One query per sequence against the whole cache by the kernel, or None where no kernel
-  takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit)."""
+  takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit).
+  `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
+  sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots; elsewhere the Triton one runs."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
     return None
-  slots, head_dim = k.shape[1], k.shape[-1]
+  b, slots, kv, head_dim = k.shape
+  if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
+      kv, head_dim, q_BxHxDh.shape[1] // kv, cache_format(k), slots):
+    blocks = slots // mosaic_attention.BLOCK_S
+    return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", backend="mosaic",
+                            splits=_mosaic_splits(b * kv, blocks, mosaic_attention.BLOCK_S))
   block_s = _divisor(slots, (64, 32, 16))
   if block_s is None or not supports_attention(slots, head_dim, block_s):
     return None

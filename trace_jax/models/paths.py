@@ -198,13 +198,16 @@ class RolloutPath:
 
   `kernels`: "xla", or "pallas" for the Pallas kernels (matmuls and FP4 quantization at every
   T, attention when T = 1, the decode step; `trace_jax.models.kernels` says which formats and
-  sizes they take, and which go to XLA)."""
+  sizes they take, and which go to XLA); `attention_kernel` the attention's backend under
+  "pallas": "triton", or "mosaic" (Hopper; Triton elsewhere)."""
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, cache: list, start: jax.Array,
                q_slot_BxT: jax.Array, valid_BxS: jax.Array, record_layers: tuple[int, ...],
-               attn_chunk: int, collect_codes: bool = False, kernels: str = "xla"):
-    K.check(kernels, cfg.act_dtype)
+               attn_chunk: int, collect_codes: bool = False, kernels: str = "xla",
+               attention_kernel: str = "triton"):
+    K.check(kernels, cfg.act_dtype, attention_kernel)
     self.cfg, self.recipe, self.kernels = cfg, recipe, kernels
+    self.attention_kernel = attention_kernel
     self.cache, self.start = cache, start
     self.q_slot, self.valid = q_slot_BxT, valid_BxS
     self.record_layers = frozenset(record_layers)
@@ -246,7 +249,7 @@ class RolloutPath:
     if self.kernels == "pallas" and q.shape[1] == 1:
       slots = jnp.arange(self.valid.shape[1])
       mask = self.valid & (slots[None, :] <= self.q_slot[:, :1])
-      o = K.attention(q[:, 0], *cache, mask)
+      o = K.attention(q[:, 0], *cache, mask, backend=self.attention_kernel)
       if o is not None:
         return o[:, None]
     k_all, v_all = (unpack(c).astype(q.dtype) for c in cache)

@@ -113,14 +113,15 @@ class RolloutEngine:
   attention and quantize-and-record kernels (GPU, or interpret mode elsewhere;
   `trace_jax.models.kernels` says which run where and how their numbers relate to XLA's); the
   Mosaic FP4 matmuls take weights packed for them (`pack_weights(..., kernels="pallas")`),
-  plainly packed ones run the Triton kernels.
+  plainly packed ones run the Triton kernels. `attention_kernel`: the decode attention's
+  backend under "pallas", "triton" (the default) or "mosaic" (on Hopper; Triton elsewhere).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
                records: str | Sequence[int] = "none", collect_codes: bool = False,
-               attn_chunk: int = 64, kernels: str = "xla"):
-    check_kernels(kernels, cfg.act_dtype)
-    self.kernels = kernels
+               attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "triton"):
+    check_kernels(kernels, cfg.act_dtype, attention_kernel)
+    self.kernels, self.attention_kernel = kernels, attention_kernel
     self.cfg, self.recipe, self.sampling = cfg, recipe, sampling
     self.record_layers = parse_layers(records, cfg.n_layers, what="records")
     self.collect_codes = collect_codes
@@ -190,7 +191,8 @@ class RolloutEngine:
 
   def _path(self, cache, start, q_slot_BxT, valid_BxS):
     return RolloutPath(self.cfg, self.recipe, cache, start, q_slot_BxT, valid_BxS,
-                       self.record_layers, self.attn_chunk, self.collect_codes, self.kernels)
+                       self.record_layers, self.attn_chunk, self.collect_codes, self.kernels,
+                       self.attention_kernel)
 
   def _sample(self, key, logits_BxV):
     return sample(key, logits_BxV, self.sampling.temperature, self.sampling.top_p)
