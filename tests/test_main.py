@@ -82,7 +82,10 @@ def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
   assert summary["mode"] == mode and summary["reward_last"] is not None
 
 
-@pytest.mark.parametrize("config", [coding, long_horizon], ids=["coding", "long_horizon"])
+# the long-horizon run (about 50 s) under -m slow: its episodes (one KV cache, observations
+# masked) are checked in tests/tasks/test_long_horizon.py, the run loop by the reasoning runs
+@pytest.mark.parametrize("config", [coding, pytest.param(long_horizon, marks=pytest.mark.slow)],
+                         ids=["coding", "long_horizon"])
 def test_the_other_families_run(config, data_dir, tmp_path):
   c = smoke(data_dir, "trace", config=config)
   summary = train(c, str(tmp_path), progress=False, log=lambda *_: None)
