@@ -44,13 +44,14 @@ from pallas_kernels.timing import copy_bandwidth, kernel_times  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
 from trace_jax.models.config import qwen3_30b_a3b  # noqa: E402
+from trace_jax.models.kernels import ATTENTION_KERNELS  # noqa: E402
 from trace_jax.models.paths import new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
 
 VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:pallas",
             "mxfp4:triton", "nvfp4:triton")
-ATTENTION = ("triton", "mosaic")  # the third field of a kernels variant, e.g. mxfp4:pallas:mosaic
+ATTENTION = ATTENTION_KERNELS  # the third field of a kernels variant, e.g. mxfp4:pallas:mosaic
 
 
 def parse_variant(v: str) -> tuple[str, str, str]:
