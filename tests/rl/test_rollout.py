@@ -218,30 +218,24 @@ def test_pallas_attention_over_a_cache_it_has_not_filled():
   np.testing.assert_allclose(got, want, atol=0.03)
 
 
-def test_mosaic_attention_in_the_engine(monkeypatch):
-  """attention_kernel="mosaic": the decode attention on the Mosaic kernel (no interpret mode:
-  here its jnp emulation from tests/pallas_kernels, compiled on Hopper in the GPU tests there),
-  in splits of at most K.MOSAIC_SPLIT_SLOTS slots. The emulation keeps p in float32 where the
-  kernels (and XLA) round it to bf16, so the rollouts part by rounding: the same greedy tokens
-  as on the Triton kernel for 16 new tokens (here one of four sequences takes another at its
-  20th; the Triton and XLA rollouts agree on all 60), and log-probabilities the training path
-  recomputes for the rollout's own tokens within 0.05 (the Triton rollout's: 0.017)."""
+def _assert_attention_rollouts_agree(precision, monkeypatch, partials):
+  """Greedy rollouts of a head_dim-64 policy (the Mosaic kernel's head_dim: multiples of 64) on
+  the Triton and on the Mosaic attention, the Mosaic kernel in splits of 64 slots, its partials
+  computed by `partials`: the same tokens for 16 new tokens, and the training path's recompute
+  of the Mosaic rollout's log-probabilities within 0.05."""
   from pallas_kernels.decode_attention import mosaic as mosaic_attention
-  from tests.pallas_kernels.test_decode_attention import _emulated_partials
   from trace_jax.models import kernels as K
   splits = []
-  emulated = _emulated_partials("bf16")
 
-  def partials(*args, **kw):
+  def spy(*args, **kw):
     splits.append(kw["splits"])
-    return emulated(*args, **kw)
+    return partials(*args, **kw)
 
-  monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: True)
-  monkeypatch.setattr(mosaic_attention, "decode_attention_partials", partials)
+  monkeypatch.setattr(mosaic_attention, "decode_attention_partials", spy)
   monkeypatch.setattr(K, "MOSAIC_SPLIT_SLOTS", 64)
-  cfg = tiny(head_dim=64)  # the Mosaic kernel's head_dim: multiples of 64
+  cfg = tiny(head_dim=64)
   params = init_params(cfg, jax.random.PRNGKey(0))
-  recipe = QuantRecipe.uniform("bf16")
+  recipe = QuantRecipe.uniform(precision)
   weights = pack_weights(cfg, params, recipe, kernels="pallas")
   tokens, lengths = pad_prompts(PROMPTS)
   sampling = SamplingConfig(max_new_tokens=60, temperature=0.0)  # 66 fed: a 128-slot cache
@@ -250,8 +244,8 @@ def test_mosaic_attention_in_the_engine(monkeypatch):
                                                        jax.random.PRNGKey(7))
          for a in ("triton", "mosaic")}
   assert splits and set(splits) == {2}  # two splits of 64 slots, one trace a layer
-  first = 7 + 16
   mosaic, triton = out["mosaic"], out["triton"]
+  first = 7 + 16
   np.testing.assert_array_equal(np.asarray(mosaic.tokens)[:, :first],
                                 np.asarray(triton.tokens)[:, :first])
   np.testing.assert_allclose(np.asarray(mosaic.logp)[:, :first],
@@ -259,6 +253,34 @@ def test_mosaic_attention_in_the_engine(monkeypatch):
   recomputed = train(cfg, params, recipe, mosaic)
   diff = np.abs(np.asarray(recomputed.logp) - np.asarray(mosaic.logp))
   assert diff[np.asarray(mosaic.response_mask)].max() < 0.05
+
+
+def test_mosaic_attention_in_the_engine(monkeypatch):
+  """attention_kernel="mosaic": the decode attention on the Mosaic kernel (no interpret mode:
+  here its jnp emulation from tests/pallas_kernels; compiled in the GPU test below), in splits
+  of at most K.MOSAIC_SPLIT_SLOTS slots. The emulation keeps p in float32 where the kernels
+  (and XLA) round it to bf16, so the rollouts part by rounding: the same greedy tokens as on the
+  Triton kernel for 16 new tokens (here one of four sequences takes another at its 20th; the
+  Triton and XLA rollouts agree on all 60), and log-probabilities the training path recomputes
+  for the rollout's own tokens within 0.05 (the Triton rollout's: 0.017)."""
+  from tests.pallas_kernels.test_decode_attention import _emulated_partials
+  from trace_jax.models import kernels as K
+  monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: True)
+  _assert_attention_rollouts_agree("bf16", monkeypatch, _emulated_partials("bf16"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "mxfp4", "nvfp4"])
+def test_compiled_mosaic_attention_in_the_engine(precision, monkeypatch):
+  """On a Hopper GPU, compiled: the engine on the Mosaic attention kernel (bf16 probabilities,
+  as the Triton kernel's) gives the Triton engine's greedy tokens for 16 new tokens, and the
+  training path recomputes its log-probabilities within 0.05."""
+  from pallas_kernels.decode_attention import mosaic as mosaic_attention
+  from trace_jax.models import kernels as K
+  if not K._mosaic_attention_runs():
+    pytest.fail("the Mosaic attention's GPU test needs a Hopper GPU")
+  _assert_attention_rollouts_agree(precision, monkeypatch,
+                                   mosaic_attention.decode_attention_partials)
 
 
 def test_mosaic_attention_splits():
