@@ -9,7 +9,8 @@ nvfp4; the engine's kernels: xla | pallas | triton, where "pallas" is the engine
 as a user sets it, the weight sync packing FP4 weights for the Mosaic GPU kernels, and "triton"
 the same switch with FP4 weights packed plainly, which runs the Triton FP4 kernels instead;
 under either, an optional third field picks the decode attention's backend:
-`mxfp4:pallas:mosaic` the Mosaic attention kernel, `:triton`, the default, the Triton one) and
+`mxfp4:pallas:mosaic` the Mosaic attention kernel, `:triton` the Triton one, `:auto`, the
+engine's default, the one measured faster for the cache's format) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -57,7 +58,7 @@ ATTENTION = ATTENTION_KERNELS  # the third field of a kernels variant, e.g. mxfp
 def parse_variant(v: str) -> tuple[str, str, str]:
   """A variant, "precision:kernels[:attention]" -> (precision, kernels, attention backend)."""
   parts = v.split(":")
-  base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "triton")
+  base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION or (
       len(parts) == 3 and parts[1] == "xla"):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
@@ -227,7 +228,8 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       print(json.dumps(row), flush=True)
   if memory and preset == "qwen3_30b_a3b":
     for precision in sorted({v.split(":")[0] for v in variants}):
-      result["max_batch"][precision] = max_batch(precision, context + steps, memory)
+      # the cache as the run allocates it: `slots` if given, else context + steps
+      result["max_batch"][precision] = max_batch(precision, slots or context + steps, memory)
   return result
 
 
@@ -236,10 +238,10 @@ def table(result: dict) -> str:
            f"{result['layers']} layers, "
            f"context {result['context']}, {result['steps']} steps, copy "
            f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s",
-           f"{'variant':14s} {'B':>4s} {'tokens/s':>10s} {'step ms':>8s} {'MB/step':>8s} "
+           f"{'variant':20s} {'B':>4s} {'tokens/s':>10s} {'step ms':>8s} {'MB/step':>8s} "
            f"{'roofline':>8s}"]
   for r in result["rows"]:
-    lines.append(f"{r['variant']:14s} {r['batch']:4d} {r['tokens_per_s']:10.0f} "
+    lines.append(f"{r['variant']:20s} {r['batch']:4d} {r['tokens_per_s']:10.0f} "
                  f"{r['step_ms']:8.2f} {r['bytes_per_step']['total'] / 1e6:8.0f} "
                  f"{100 * r['roofline_frac']:7.1f}%")
   for r in result["rows"]:
@@ -247,7 +249,8 @@ def table(result: dict) -> str:
       lines.append(f"{r['variant']} B={r['batch']}, GPU us a step by kernel: " + ", ".join(
           f"{name} {us}" for name, us in _top(r["kernels_us_per_step"]).items()))
   for p, b in result["max_batch"].items():
-    lines.append(f"largest batch at context {result['context']}, 48 layers, "
+    lines.append(f"largest batch in a {result['slots'] or result['context'] + result['steps']}"
+                 f"-slot cache, 48 layers, "
                  f"{result['memory_bytes'] / 2**30:.0f} GiB: {p} {b}")
   return "\n".join(lines + [f"ERROR {e}" for e in result["errors"]])
 

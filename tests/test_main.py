@@ -160,6 +160,8 @@ def test_bad_config_fails_before_any_work(data_dir, tmp_path):
   for override, message in [("rl.mode=fp8_qat", r"rl.mode='fp8_qat': choose one of \('bf16'"),
                             ("rl.correction=ppo", r"rl.correction='ppo'.*'tis'"),
                             ("rl.kernels=triton", r"rl.kernels='triton'.*'pallas'"),
+                            ("rl.attention_kernel=flash",
+                             r"rl.attention_kernel='flash'.*'mosaic'"),
                             ("rl.trace_layers=last:7", r"rl.trace_layers='last:7'"),
                             ("rl.group_size=1", "rl.group_size must be >= 2"),
                             ("rl.minibatches=3", "does not split into rl.minibatches=3"),

@@ -301,6 +301,26 @@ def test_mosaic_attention_splits():
   assert K._mosaic_splits(1024, 8, 64) == 1
 
 
+@pytest.mark.parametrize("precision,backend,runs", [
+    ("mxfp4", "mosaic", True), ("nvfp4", "triton", True), ("bf16", "triton", True),
+    ("mxfp4", "triton", False)])
+def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precision, backend, runs,
+                                                                        monkeypatch):
+  """attention_kernel "auto" (the default): the Mosaic kernel for MXFP4 caches where it runs
+  (Hopper), the Triton one for bf16 and NVFP4 caches (BENCHMARKS.md) and off Hopper."""
+  from tests.pallas_kernels.test_decode_attention import inputs
+  from trace_jax.models import kernels as K
+  from trace_jax.quant import MXFP4, NVFP4
+  called = []
+  monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: runs)
+  monkeypatch.setattr(K, "decode_attention",
+                      lambda *a, **kw: called.append(kw.get("backend", "triton")))
+  fmt = {"mxfp4": MXFP4, "nvfp4": NVFP4, "bf16": None}[precision]
+  q, k, v, mask = inputs(0, 2, 128, 4, 2, 128, fmt)
+  K.attention(q, k, v, mask)
+  assert called == [backend]
+
+
 @pytest.mark.parametrize("precision", ["mxfp4", "nvfp4"])
 def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision):
   """pack_weights(kernels="pallas") lays every FP4 projection out for the Mosaic kernels: the

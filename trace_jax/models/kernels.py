@@ -15,12 +15,13 @@ Which kernel runs, as measured on the H200 (BENCHMARKS.md): FP4 weights packed f
 (`weight_layout`, applied by the weight sync `pack_weights(..., kernels="pallas")`) run the
 Mosaic GPU kernels, which take them pre-tiled; weights packed plainly run the Triton ones, as do
 bf16 weights (below BF16_XLA_FROM tokens; XLA's dot from there on; bf16 experts always),
-attention by default (the Mosaic attention kernel is 1.05-1.12x faster on a full MXFP4 cache,
-but it skips only whole splits past a sequence's end, where the Triton kernel skips blocks, and
-a rollout's cache is about half full on average; `RolloutEngine(attention_kernel="mosaic")`
-runs it, in splits of at most MOSAIC_SPLIT_SLOTS slots, for `experiments/bench_rollout.py` to
-time the two), the quantization of activations and K/V and, off Hopper, everything (the weight
-sync then leaves FP4 weights untiled, and the attention is Triton's). On a backend other than
+the attention over bf16 and NVFP4 caches, the quantization of activations and K/V and, off
+Hopper, everything (the weight sync then leaves FP4 weights untiled, and the attention is
+Triton's). The attention over MXFP4 caches runs the Mosaic kernel on Hopper (in splits of at
+most MOSAIC_SPLIT_SLOTS slots, so that a partly filled cache is read about as far as it is
+filled): in rollouts over a half-full cache it took 0.89x / 0.84x the Triton kernel's time at
+batch 64 / 256, on bf16 and NVFP4 caches it is the slower (`attention_kernel` "auto";
+"triton" or "mosaic" ask for one). On a backend other than
 GPU the Triton kernels run in Pallas' interpret mode (tiled weights taken back first): slow,
 for tests.
 """
@@ -45,12 +46,13 @@ from trace_jax.quant import QArray, Record
 from trace_jax.quant.formats import Format
 
 KERNELS = ("xla", "pallas")
-ATTENTION_KERNELS = ("triton", "mosaic")  # the decode attention's backends, under "pallas"
+ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
+MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured)
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
 _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
-def check(kernels: str, act_dtype, attention: str = "triton") -> None:
+def check(kernels: str, act_dtype, attention: str = "auto") -> None:
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if attention not in ATTENTION_KERNELS:
@@ -157,13 +159,16 @@ def _mosaic_attention_runs() -> bool:
 
 
 def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
-              backend: str = "triton") -> jax.Array | None:
+              backend: str = "auto") -> jax.Array | None:
   """One query per sequence against the whole cache by the kernel, or None where no kernel
   takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit).
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
-  sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots; elsewhere the Triton one runs."""
+  sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots; elsewhere the Triton one runs. "auto"
+  is "mosaic" for the formats of MOSAIC_ATTENTION_FORMATS, else "triton"."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
     return None
+  if backend == "auto":
+    backend = "mosaic" if cache_format(k) in MOSAIC_ATTENTION_FORMATS else "triton"
   b, slots, kv, head_dim = k.shape
   if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
       kv, head_dim, q_BxHxDh.shape[1] // kv, cache_format(k), slots):

@@ -199,12 +199,13 @@ class RolloutPath:
   `kernels`: "xla", or "pallas" for the Pallas kernels (matmuls and FP4 quantization at every
   T, attention when T = 1, the decode step; `trace_jax.models.kernels` says which formats and
   sizes they take, and which go to XLA); `attention_kernel` the attention's backend under
-  "pallas": "triton", or "mosaic" (Hopper; Triton elsewhere)."""
+  "pallas": "auto" (by the cache's format, as measured), "triton", or "mosaic" (Hopper; Triton
+  elsewhere)."""
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, cache: list, start: jax.Array,
                q_slot_BxT: jax.Array, valid_BxS: jax.Array, record_layers: tuple[int, ...],
                attn_chunk: int, collect_codes: bool = False, kernels: str = "xla",
-               attention_kernel: str = "triton"):
+               attention_kernel: str = "auto"):
     K.check(kernels, cfg.act_dtype, attention_kernel)
     self.cfg, self.recipe, self.kernels = cfg, recipe, kernels
     self.attention_kernel = attention_kernel

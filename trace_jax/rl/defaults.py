@@ -55,6 +55,9 @@ def base_config() -> ml_collections.ConfigDict:
   # interpret mode elsewhere; MXFP4, NVFP4 and bf16 compute what XLA does up to the order of
   # float32 sums: trace_jax.models.kernels)
   c.rl.kernels = "xla"
+  # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
+  # Triton one otherwise, as measured) | triton | mosaic
+  c.rl.attention_kernel = "auto"
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
   c.eval = ml_collections.ConfigDict(dict(every=50, size=200, batch_size=100))

@@ -60,7 +60,8 @@ class Run:
     sampling = SamplingConfig(max_new_tokens=self.new_tokens, temperature=c.rl.temperature,
                               top_p=c.rl.top_p, stop_tokens=stops, pad_id=tokenizer.pad_id)
     engine = functools.partial(RolloutEngine, self.cfg, self.setup.rollout,
-                               kernels=self.c.rl.kernels)
+                               kernels=self.c.rl.kernels,
+                               attention_kernel=self.c.rl.attention_kernel)
     self.engine = engine(sampling, records=self.setup.records)
     self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
     self.eval_engine = engine(dataclasses.replace(sampling, temperature=0.0))

@@ -114,12 +114,14 @@ class RolloutEngine:
   `trace_jax.models.kernels` says which run where and how their numbers relate to XLA's); the
   Mosaic FP4 matmuls take weights packed for them (`pack_weights(..., kernels="pallas")`),
   plainly packed ones run the Triton kernels. `attention_kernel`: the decode attention's
-  backend under "pallas", "triton" (the default) or "mosaic" (on Hopper; Triton elsewhere).
+  backend under "pallas": "auto" (the Mosaic kernel for MXFP4 caches on Hopper, the Triton one
+  otherwise, as measured: `trace_jax.models.kernels`), "triton" or "mosaic" (on Hopper; Triton
+  elsewhere).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
                records: str | Sequence[int] = "none", collect_codes: bool = False,
-               attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "triton"):
+               attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "auto"):
     check_kernels(kernels, cfg.act_dtype, attention_kernel)
     self.kernels, self.attention_kernel = kernels, attention_kernel
     self.cfg, self.recipe, self.sampling = cfg, recipe, sampling

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from trace_jax.models.kernels import KERNELS
+from trace_jax.models.kernels import ATTENTION_KERNELS, KERNELS
 from trace_jax.models.recipe import parse_layers
 from trace_jax.quant import FORMATS
 from trace_jax.rl.grpo import CORRECTIONS
@@ -69,6 +69,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   assert set(FP4_FORMATS) <= set(FORMATS)
   _choice("rl.correction", c.rl.correction, CORRECTIONS)
   _choice("rl.kernels", c.rl.kernels, KERNELS)
+  _choice("rl.attention_kernel", c.rl.attention_kernel, ATTENTION_KERNELS)
   parse_layers(c.rl.trace_layers, c.model.n_layers, what="rl.trace_layers")
   _positive(c, "sft.batch_size", "rl.prompts_per_step", "rl.max_new_tokens", "rl.lr",
             "eval.every", "eval.size", "eval.batch_size", "checkpoint.every",
