@@ -52,17 +52,16 @@ from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
 
 VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:pallas",
             "mxfp4:triton", "nvfp4:triton")
-ATTENTION = ATTENTION_KERNELS  # the third field of a kernels variant, e.g. mxfp4:pallas:mosaic
 
 
 def parse_variant(v: str) -> tuple[str, str, str]:
   """A variant, "precision:kernels[:attention]" -> (precision, kernels, attention backend)."""
   parts = v.split(":")
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
-  if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION or (
+  if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
       len(parts) == 3 and parts[1] == "xla"):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
-                     f"optionally with :{' or :'.join(ATTENTION)} (the attention's backend)")
+                     f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's backend)")
   return parts[0], parts[1], attention
 
 

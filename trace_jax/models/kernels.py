@@ -166,11 +166,12 @@ def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
   is "mosaic" for the formats of MOSAIC_ATTENTION_FORMATS, else "triton"."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
     return None
+  fmt = cache_format(k)
   if backend == "auto":
-    backend = "mosaic" if cache_format(k) in MOSAIC_ATTENTION_FORMATS else "triton"
+    backend = "mosaic" if fmt in MOSAIC_ATTENTION_FORMATS else "triton"
   b, slots, kv, head_dim = k.shape
   if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
-      kv, head_dim, q_BxHxDh.shape[1] // kv, cache_format(k), slots):
+      kv, head_dim, q_BxHxDh.shape[1] // kv, fmt, slots):
     blocks = slots // mosaic_attention.BLOCK_S
     return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", backend="mosaic",
                             splits=_mosaic_splits(b * kv, blocks, mosaic_attention.BLOCK_S))
