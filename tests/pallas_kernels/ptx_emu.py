@@ -1,6 +1,6 @@
 """A small interpreter of the few PTX instructions the kernels' inline asm uses, so that CPU tests
 check the asm strings themselves bit for bit (mov, shl, shr, and, or, prmt, fma.rn.bf16x2,
-mul.rn.f32, cvt.rn.bf16x2.f32)."""
+mul.rn.f32, cvt.rn.bf16x2.f32, lop3.b32)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ def run(asm: str, n_out: int, inputs: list[int]) -> list[int]:
       put(a[0], get(a[1]) & get(a[2]))
     elif op == "or.b32":
       put(a[0], get(a[1]) | get(a[2]))
+    elif op == "lop3.b32":  # bit i of the result: bit (a_i b_i c_i as a 3-bit number) of lut
+      x, y, z, lut, r = get(a[1]), get(a[2]), get(a[3]), get(a[4]), 0
+      for i in range(32):
+        r |= ((lut >> ((x >> i & 1) << 2 | (y >> i & 1) << 1 | (z >> i & 1))) & 1) << i
+      put(a[0], r)
     elif op == "prmt.b32":  # default mode: each selector nibble picks a byte of {b, a}
       src, sel, r = get(a[1]) | (get(a[2]) << 32), get(a[3]), 0
       for i in range(4):

@@ -1,0 +1,326 @@
+"""Pallas (Mosaic GPU, Hopper) MXFP4 x MXFP4 matmul on FP8 tensor cores (W4A4).
+
+y^T = W^T x^T as in `mosaic.py` (the weight wgmma's A operand, in registers; tokens its N), but
+both operands E4M3 (`w4a4_layout` says why every value is exact): each warpgroup loads a
+chunk's 512 words of codes as 16-byte vectors, decodes each word to two E4M3 registers by two
+byte permutes (`w4a4_layout.DECODE_ASM`, one instruction a value), and issues one FP8 wgmma of
+32 K values (one MXFP4 block of each operand) into an accumulator of its own; that block's
+exact product is then added to the float32 sum, times the weight block's relative scale
+(`promote`), so the tensor core never sums two blocks. x arrives as E4M3 already folded per
+token (`w4a4_layout.activation_e4m3`, from the rollout's QArray of codes and scales), its
+blocks in shared memory K-major as 8-bit wgmma needs them; the rows' and tokens' powers of two
+are applied to the partial sums outside, in the pass that adds the K splits.
+
+A call whose activation holds a block the fold cannot represent exactly (more than 2^14 below
+its token's largest, or a NaN scale) takes the exact path instead: XLA's dequantize-then-dot
+(`reference.fp4_matmul`), so every call gives the reference's numbers up to float32 summation
+order. `fold_misses` counts such blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+import numpy as np
+
+from pallas_kernels.fp4_matmul import reference
+from pallas_kernels.fp4_matmul.mosaic import _load, _store, _transposed, available
+from pallas_kernels.fp4_matmul.w4a4_layout import (ACT_SHIFT, BLOCK, CHUNK_K, DECODE_ASM, ROWS,
+                                                   WEIGHT_SHIFT, TiledW4, activation_e4m3,
+                                                   row_scale, untile)
+from trace_jax.quant import QArray
+
+MAX_M = 64  # tokens a dense call: accumulators of M / 2 registers, two in flight, and the sum
+SMEM_BYTES = 227 * 1024
+
+
+def _decode(words):
+  """A chunk's words (WG_STRIDED [512], four a thread) -> the A operands of its two blocks,
+  E4M3 [64, 32] each in the 8-bit wgmma layout: word 2 b + h gives block b's registers of rows
+  r + 8 h (its low-register codes at columns 4 (l % 4) + 0..3, its high ones at + 16)."""
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import llvm
+
+  a_layout = plgpu.Layout.WGMMA_8BIT
+  out = plgpu.ShapeDtypeStruct((64, BLOCK), jnp.float8_e4m3fn, a_layout)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_STRIDED((128, 4), vec_size=4),),
+                     return_type=(out, out))
+  def decode(_, words):
+    i32 = ir.IntegerType.get_signless(32)
+    quad = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+    [vec] = words.registers.flat
+    word = [llvm.extractelement(vec, mgpu_utils.c(j, i32)) for j in range(4)]
+    blocks = []
+    for b in range(2):
+      pair = llvm.StructType.get_literal([i32, i32])
+      lo_r, hi_r = (llvm.inline_asm(pair, [word[2 * b + h]], DECODE_ASM, "=r,=r,r")
+                    for h in range(2))
+      regs = [[llvm.extractvalue(i32, s, [p]) for p in range(2)] for s in (lo_r, hi_r)]
+      # registers_shape (1, 2, 1, 1, 2, 1, 1, 1, 1): [column tile (0-15, 16-31), row half]
+      grid = np.empty((1, 2, 1, 1, 2, 1, 1, 1, 1), dtype=object)
+      for tile in range(2):
+        for h in range(2):
+          grid[0, tile, 0, 0, h, 0, 0, 0, 0] = mgpu_utils.bitcast(regs[h][tile], quad)
+      blocks.append(mgpu.FragmentedArray(_registers=grid, _layout=mgpu.WGMMA_LAYOUT_8BIT,
+                                         _is_signed=None))
+    return tuple(blocks)
+
+  return decode(words)
+
+
+def _accumulate(*args, **kwargs):
+  """plgpu.wgmma_accumulator_load where this jax has it (wait for all but `wait_n` wgmmas);
+  else the plain read, which waits for all."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  load = getattr(plgpu, "wgmma_accumulator_load", None)
+  acc, = args
+  return load(acc, **kwargs) if load is not None else acc[...]
+
+
+def _body(x_gmem, words_gmem, scales_gmem, *rest, block_k, steps, max_concurrent_steps,
+          tile_m=None):
+  """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
+  one [64, tile_m] tile of the grouped product (token tile t of x against expert
+  tile_expert[t]'s rows); tiles past the table's last entry do nothing."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  *table, out_gmem = rest
+  ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+  ti = jax.lax.axis_index("t") if table else 0
+  m = tile_m or x_gmem.shape[0]
+  wgmma_l = plgpu.Layout.WGMMA
+  row_l = wgmma_l.reduce(1)
+  chunks, blocks = block_k // CHUNK_K, block_k // BLOCK
+  wi = ni
+  if table:
+    wi = table[0][ti] * jax.lax.axis_size("n") + ni
+
+  def multiplier(scales_smem, b):
+    """Block b's relative weight scales, 2^(s - R_n), a [64] row vector."""
+    rel = _load(scales_smem.at[0, b], row_l).astype(jnp.int32)
+    return plgpu.layout_cast(jax.lax.bitcast_convert_type(rel << 23, jnp.float32), row_l)
+
+  def promote(total, part, scale):
+    full = plgpu.layout_cast(jax.lax.broadcast_in_dim(scale, (ROWS, m), [0]), wgmma_l)
+    return total + part * full
+
+  def step(_, *smem):
+    *x_smem, words_smem, scales_smem, total = smem
+    for j in range(chunks):
+      words = _load(words_smem.at[0, j], plgpu.Layout.WG_STRIDED((128, 4), vec_size=4))
+      a0, a1 = _decode(words)
+      b0, b1 = (plgpu.transpose_ref(x_smem[2 * j + i], (1, 0)) for i in range(2))
+      s0, s1 = multiplier(scales_smem, 2 * j), multiplier(scales_smem, 2 * j + 1)
+
+      def blocks_of_chunk(acc0, acc1):
+        plgpu.wgmma(acc0, a0, b0)
+        plgpu.wgmma(acc1, a1, b1)
+        return _accumulate(acc0, wait_n=1), _accumulate(acc1, wait_n=0)
+
+      part0, part1 = pl.run_scoped(blocks_of_chunk, plgpu.ACC((ROWS, m)), plgpu.ACC((ROWS, m)))
+      total = promote(promote(total, part0, s0), part1, s1)
+    return total
+
+  k0 = si * steps
+  x_specs = [plgpu.BlockSpec((m, BLOCK), lambda k, b=b: (ti if table else 0, blocks * (k0 + k) + b),
+                             transforms=(plgpu.TilingTransform((8, BLOCK)),
+                                         plgpu.SwizzleTransform(BLOCK)))
+             for b in range(blocks)]
+  run = plgpu.emit_pipeline(
+      step,
+      grid=(steps,),
+      in_specs=[
+          *x_specs,
+          plgpu.BlockSpec((1, chunks, 128, 4), lambda k: (wi, k0 + k, 0, 0)),
+          plgpu.BlockSpec((1, blocks, 64), lambda k: (wi, k0 + k, 0)),
+      ],
+      max_concurrent_steps=max_concurrent_steps,
+      init_carry=plgpu.layout_cast(jnp.zeros((ROWS, m), jnp.float32), wgmma_l),
+  )
+
+  def tile():
+    total = run(*[x_gmem] * blocks, words_gmem, scales_gmem)
+    _store(total, out_gmem, si, ni, ROWS, cols=pl.ds(ti * m, m) if table else slice(None))
+
+  if table:
+    pl.when(ti < table[0][table[0].shape[0] - 1])(tile)
+  else:
+    tile()
+
+
+def _kernel(name, body, out_shape, grid, names):
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  body.__name__ = name  # the kernel's name in profiles
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32), grid=grid,
+                      grid_names=names, compiler_params=plgpu.CompilerParams(
+                          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+
+def pipeline(m: int, k: int, block_k: int | None = None,
+             max_concurrent_steps: int | None = None) -> tuple[int, int]:
+  """(block_k, steps in flight) for M tokens and K: the largest K step of 256 or 128 values
+  (64 where K takes no more) dividing K that keeps three steps in flight, at most four."""
+  def stage(bk):
+    return bk * m + bk // CHUNK_K * 2048 + bk // BLOCK * ROWS
+
+  def steps(bk):
+    return min(max_concurrent_steps or 4, (SMEM_BYTES - ROWS * m * 4 - 4096) // stage(bk))
+
+  if block_k is None:
+    fits = [bk for bk in (256, 128, 64) if k % bk == 0]
+    if not fits:
+      raise ValueError(f"K ({k}) must be a multiple of {CHUNK_K}")
+    block_k = next((bk for bk in fits if steps(bk) >= 3), fits[-1])
+  if k % block_k or block_k % CHUNK_K or steps(block_k) < 1:
+    raise ValueError(f"block_k ({block_k}) must be a multiple of {CHUNK_K} dividing K ({k}) "
+                     f"whose pipeline fits shared memory at M = {m}")
+  return block_k, steps(block_k)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps"))
+def w4a4_partials(x8, words, scales, *, block_k: int = 256, splits: int = 1,
+                  max_concurrent_steps: int = 4):
+  """x8 E4M3 [M, K] (M a multiple of 16, at most 64), a weight's words [N/64, K/64, 512] and
+  relative scales [N/64, K/32, 64] (`w4a4_layout.tile`) -> float32 [splits, N, M] partials of
+  y^T, before the rows' and tokens' powers of two."""
+  m, k = x8.shape
+  n = words.shape[0] * ROWS
+  if m % 16 or m > MAX_M or words.shape[1:] != (k // CHUNK_K, 512) or k % (block_k * splits):
+    raise ValueError(f"the W4A4 kernel needs x [M, K] with M ({m}) a multiple of 16 up to "
+                     f"{MAX_M}, words [N/64, K/64, 512] (got {words.shape} for K = {k}) and K "
+                     f"divisible by block_k ({block_k}) x splits ({splits})")
+  steps = k // block_k // splits
+  body = functools.partial(_body, block_k=block_k, steps=steps,
+                           max_concurrent_steps=min(max_concurrent_steps, steps))
+  return _kernel("w4a4_wgmma", body, (splits, n, m), (n // ROWS, splits), ("n", "s"))(
+      x8, words.reshape(*words.shape[:2], 128, 4), scales)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps"))
+def grouped_w4a4_partials(x8, words, scales, tile_expert, *, block_k: int = 128,
+                          splits: int = 1, max_concurrent_steps: int = 4):
+  """The grouped form: x8 E4M3 [16 x tiles, K] (rows in 16-token tiles), per-expert words
+  [E, N/64, K/64, 512] and scales [E, N/64, K/32, 64], tile_expert [tiles + 1] (each tile's
+  expert, then the tiles in use) -> float32 [splits, N, 16 x tiles]; unused tiles' columns are
+  left unwritten."""
+  r, k = x8.shape
+  e, n = words.shape[0], words.shape[1] * ROWS
+  if r % 16 or tile_expert.shape != (r // 16 + 1,) or words.shape[2:] != (k // CHUNK_K, 512) \
+      or k % (block_k * splits):
+    raise ValueError(f"the grouped W4A4 kernel needs x in 16-token tiles with one table entry a "
+                     f"tile and one more (got {r} rows, {tile_expert.shape} entries), words "
+                     f"[E, N/64, K/64, 512] (got {words.shape} for K = {k}) and K divisible by "
+                     f"block_k ({block_k}) x splits ({splits})")
+  steps = k // block_k // splits
+  body = functools.partial(_body, block_k=block_k, steps=steps,
+                           max_concurrent_steps=min(max_concurrent_steps, steps), tile_m=16)
+  grid, names = ((n // ROWS, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
+      (n // ROWS, splits, r // 16), ("n", "s", "t"))
+  return _kernel("grouped_w4a4_wgmma", body, (splits, n, r), grid, names)(
+      x8, words.reshape(-1, words.shape[2], 128, 4), scales.reshape(-1, *scales.shape[2:]),
+      tile_expert.astype(jnp.int32))
+
+
+def fold_misses(xq: QArray) -> jax.Array:
+  """How many of the activation's blocks the E4M3 fold cannot hold (the exact path's cause)."""
+  return activation_e4m3(xq)[2]
+
+
+def _check(w, grouped: bool, name: str):
+  if not isinstance(w, TiledW4) or w.grouped != grouped:
+    what = "per-expert [E, K, N]" if grouped else "[K, N]"
+    raise ValueError(f"{name} takes a {what} MXFP4 weight in the W4A4 layout "
+                     f"(w4a4_layout.tile), got {type(w).__name__} {getattr(w, 'shape', None)}")
+
+
+def _scaled(partials, row_exp, token_exp):
+  """The K splits summed, each row's 2^(R_n - 127) and token's 2^(R_t - 127 - 12) applied."""
+  shift = 127 + WEIGHT_SHIFT + ACT_SHIFT
+  y_t = jnp.sum(partials, axis=0) * row_scale(row_exp, 127)[:, None]
+  return y_t * row_scale(token_exp, shift)[None, :]
+
+
+def w4a4_matmul(xq: QArray, w: TiledW4, *, block_k: int | None = None,
+                splits: int | None = None, max_concurrent_steps: int | None = None,
+                exact_path: bool = True) -> jax.Array:
+  """An MXFP4 activation xq [M, K] (quantized along K) @ an MXFP4 weight in the W4A4 layout
+  -> [M, N] bf16, on FP8 tensor cores (compiled Hopper only); calls of up to 64 tokens.
+  exact_path: where the activation has blocks the fold cannot hold, compute the call by XLA's
+  dequantize-then-dot instead (False: skip the check; such blocks are then rounded)."""
+  from pallas_kernels.fp4_matmul import api
+  _check(w, False, "w4a4_matmul")
+  k, n = w.shape
+  x8, token_exp, misses = activation_e4m3(xq)
+  if x8.shape[1] != k:
+    raise ValueError(f"x has {x8.shape[1]} features, the weight expects {k}")
+  m = x8.shape[0]
+  mp = 16 if m <= 16 else -(-m // 32) * 32 if m <= MAX_M else -(-m // MAX_M) * MAX_M
+  rows = min(mp, MAX_M)
+  x8 = jnp.pad(x8, ((0, mp - m), (0, 0)))
+  token_exp = jnp.pad(token_exp, (0, mp - m), constant_values=127)
+  block_k, stages = pipeline(rows, k, block_k, max_concurrent_steps)
+  splits = splits or api.default_splits(1, n // ROWS, k // block_k, programs=2 * 132,
+                                        max_splits=8)
+
+  def call(x8c, expc):
+    partials = w4a4_partials(x8c, w.words, w.scales, block_k=block_k, splits=splits,
+                             max_concurrent_steps=stages)
+    return _scaled(partials, w.row_exp, expc)
+
+  if mp <= MAX_M:
+    y_t = call(x8, token_exp)
+  else:
+    y_t = jax.lax.map(lambda a: call(*a), (x8.reshape(-1, MAX_M, k),
+                                          token_exp.reshape(-1, MAX_M)))
+    y_t = jnp.moveaxis(y_t, 0, 1).reshape(n, -1)
+  y = _transposed(y_t.astype(jnp.bfloat16))[:m]
+  if not exact_path:
+    return y
+  exact = lambda: reference.fp4_matmul(_dequantized(xq), untile(w))
+  return jax.lax.cond(misses > 0, exact, lambda: y)
+
+
+def _dequantized(xq: QArray) -> jax.Array:
+  from trace_jax.quant import dequantize
+  return dequantize(xq).astype(jnp.bfloat16)
+
+
+def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
+                        block_k: int | None = None, splits: int | None = None,
+                        max_concurrent_steps: int | None = None,
+                        exact_path: bool = True) -> jax.Array:
+  """The MoE expert matmul on FP8 tensor cores: xq [T, K] (MXFP4, rows sorted by expert) @
+  W[e] -> [T, N] bf16 for per-expert weights in the W4A4 layout; rows past sum(group_sizes)
+  come out zero. exact_path as in `w4a4_matmul`."""
+  from pallas_kernels.fp4_matmul import api
+  _check(w, True, "grouped_w4a4_matmul")
+  e, k, n = w.shape
+  x8, token_exp, misses = activation_e4m3(xq)
+  if x8.shape[1] != k or group_sizes.shape != (e,):
+    raise ValueError(f"grouped_w4a4_matmul takes x [T, {k}] and group_sizes [{e}] for this "
+                     f"weight, got x {x8.shape} and group_sizes {group_sizes.shape}")
+  block_k, stages = pipeline(16, k, block_k, max_concurrent_steps)
+  src, tile_expert, dest = api.tile_rows(group_sizes, x8.shape[0], 16)
+  xt = jnp.take(x8, src, axis=0, mode="fill", fill_value=0)  # [16 x tiles, K]
+  exp_t = jnp.take(token_exp, src, mode="fill", fill_value=127)
+  splits = splits or api.default_splits(xt.shape[0] // 16, n // ROWS, k // block_k,
+                                        programs=2 * 132, max_splits=8)
+  partials = grouped_w4a4_partials(xt, w.words, w.scales, tile_expert, block_k=block_k,
+                                   splits=splits, max_concurrent_steps=stages)
+  # each tile's rows take their expert's row scales
+  y_t = jnp.sum(partials, axis=0)  # [N, 16 x tiles]
+  rows_of = jnp.repeat(tile_expert[:-1], 16)  # each column's expert
+  y_t = y_t * jnp.take(row_scale(w.row_exp, 127), rows_of, axis=0).T
+  y_t = y_t * row_scale(exp_t, 127 + WEIGHT_SHIFT + ACT_SHIFT)[None, :]
+  y = _transposed(jnp.take(y_t.astype(jnp.bfloat16), dest, axis=1, mode="fill", fill_value=0))
+  if not exact_path:
+    return y
+  exact = lambda: reference.grouped_fp4_matmul(_dequantized(xq), untile(w), group_sizes)
+  return jax.lax.cond(misses > 0, exact, lambda: y)

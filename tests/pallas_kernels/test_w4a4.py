@@ -1,0 +1,177 @@
+"""The W4A4 (FP8 tensor core) matmul: its layout, decode and folds exact on CPU, its Mosaic
+lowering for CUDA from CPU, and its numerics on a Hopper GPU (-m gpu)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.fp4_matmul import reference, w4a4
+from pallas_kernels.fp4_matmul import w4a4_layout as L
+from tests.pallas_kernels import ptx_emu
+from trace_jax.quant import MXFP4, NVFP4, dequantize, quantize
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+
+
+def weight(seed, k, n, experts=None):
+  shape = (k, n) if experts is None else (experts, k, n)
+  w = jax.random.normal(jax.random.PRNGKey(seed), shape)
+  w = w * jnp.exp(2 * jax.random.normal(jax.random.PRNGKey(seed + 1), shape[:-2] + (1, n)))
+  return quantize(w, MXFP4, axis=-2)
+
+
+def activation(seed, m, k, spread=3.0):
+  """Heavy-tailed tokens with outlier channels: block scales several binades apart."""
+  x = jax.random.normal(jax.random.PRNGKey(seed), (m, k))
+  x = x * jnp.exp(spread * jax.random.normal(jax.random.PRNGKey(seed + 1), (1, k)))
+  return quantize(x * jnp.exp(jax.random.normal(jax.random.PRNGKey(seed + 2), (m, 1))), MXFP4)
+
+
+def test_decode_asm_is_the_layouts_rule_for_every_bit_pattern():
+  """The kernel's PTX (emulated) gives, for random words and every code in every position, the
+  E4M3 bytes of E2M1 x 2^6 with the sign, as `e4m3_values` reads the words."""
+  rng = np.random.default_rng(0)
+  words = np.concatenate([rng.integers(0, 2**32, 3000, dtype=np.uint64),
+                          [0, 0xFFFFFFFF, 0x88888888, 0x77777777]]).astype(np.uint32)
+  lut = E2M1 * 64
+  for w in words:
+    r0, r1 = ptx_emu.run(L.DECODE_ASM, 2, [int(w)])
+    got = np.frombuffer(np.array([r0, r1], np.uint32).tobytes(), ml_dtypes.float8_e4m3fn)
+    got = got.astype(np.float64)
+    w = int(w)
+    want = [lut[(w >> 4 * i) & 7] * (-1 if w >> (8 * i + 7) & 1 else 1) for i in range(4)]
+    want += [lut[(w >> (16 + 4 * i)) & 7] * (-1 if w >> (8 * i + 3) & 1 else 1) for i in range(4)]
+    np.testing.assert_array_equal(got, want)
+    assert all(np.signbit(g) == (v < 0 or (v == 0 and s)) for g, v, s in zip(
+        got, want, [w >> (8 * i + 7) & 1 for i in range(4)] + [w >> (8 * i + 3) & 1
+                                                               for i in range(4)]))
+
+
+@pytest.mark.parametrize("experts", [None, 3])
+def test_tile_holds_every_value_exactly(experts):
+  """Each element's decoded E4M3 value, times its block's relative scale and its row's power
+  of two, is its dequantized value, bit for bit; `untile` gives the packed weight back; every
+  code byte lands in the word slot of the thread and register the kernel gives it."""
+  k, n = 256, 128
+  w = weight(0, k, n, experts)
+  t = L.tile(w)
+  lead = () if experts is None else (experts,)
+  assert t.words.shape == (*lead, n // 64, k // 64, 512) and t.shape == (*lead, k, n)
+  s = w.scales.astype(jnp.int32)
+  per_elem = jnp.repeat(L.scale_multipliers(t), 32, axis=-2)
+  rows = L.row_scale(t.row_exp, 127)[..., None, :]
+  np.testing.assert_array_equal(L.e4m3_values(t) / 64 * per_elem * rows, dequantize(w))
+  back = L.untile(t)
+  np.testing.assert_array_equal(back.codes, w.codes)
+  np.testing.assert_array_equal(back.scales, s.astype(jnp.uint8))
+  if experts is None:
+    # row 37, K 100 and 101: chunk 1, block 1, columns 4 and 5 of it; warp 2, lane 5 x 4 + 1
+    # (thread 85), row half 0: word slot 2 of thread 85, the low register's codes 0 and 1
+    byte = int(np.asarray(w.codes)[50, 37])
+    word = int(np.asarray(t.words)[0, 1, 4 * 85 + 2])
+    for i, code in enumerate((byte & 15, byte >> 4)):
+      assert (word >> 4 * i) & 7 == code & 7 and (word >> (8 * i + 7)) & 1 == code >> 3
+
+
+def test_tile_refuses_what_it_cannot_hold():
+  with pytest.raises(ValueError, match="MXFP4"):
+    L.tile(quantize(jnp.ones((256, 128)), NVFP4, axis=0))
+  with pytest.raises(ValueError, match="divisible by 64"):
+    L.tile(weight(0, 256, 96))
+  with pytest.raises(ValueError, match="W4A4 layout"):
+    w4a4.w4a4_matmul(activation(0, 2, 256), weight(0, 256, 128))
+  with pytest.raises(ValueError, match="features"):
+    w4a4.w4a4_matmul(activation(0, 2, 128), L.tile(weight(0, 256, 128)))
+
+
+def test_activation_fold_is_exact_within_its_range():
+  """Folded values times 2^(R_t - 133) are the dequantized activation, bit for bit, while the
+  token's blocks lie within 2^14 of its largest; a block further below is counted."""
+  xq = activation(1, 8, 512, spread=1.5)
+  x8, r, misses = L.activation_e4m3(xq)
+  assert int(misses) == 0
+  back = x8.astype(jnp.float32) * L.row_scale(r, 127 + L.ACT_SHIFT)[:, None]
+  np.testing.assert_array_equal(back, dequantize(xq))
+  s = np.asarray(xq.scales).copy()
+  s[3, 5] = s[3].max() - 15  # one block 2^15 below its token's largest
+  far = type(xq)(xq.codes, jnp.asarray(s), None, MXFP4, -1)
+  if np.any(np.asarray(xq.codes)[3, 80:96] & 0x77):
+    assert int(L.activation_e4m3(far)[2]) == 1
+  s[3, 5] = 255  # a NaN scale
+  assert int(L.activation_e4m3(type(xq)(xq.codes, jnp.asarray(s), None, MXFP4, -1))[2]) >= 1
+
+
+def emulate(xq, t):
+  """The kernel's arithmetic in jnp: one exact product a block, times the weight block's
+  relative scale, summed in float32; the rows' and tokens' powers of two at the end."""
+  x8, r_t, _ = L.activation_e4m3(xq)
+  k, n = t.shape
+  a = x8.astype(jnp.float32).reshape(-1, k // 32, 32)
+  wv = L.e4m3_values(t).reshape(k // 32, 32, n)
+  parts = jnp.einsum("mbk,bkn->bmn", a, wv, precision="highest")  # exact: small integers
+  total = jnp.sum(parts * L.scale_multipliers(t)[:, None, :], axis=0)
+  y = total * L.row_scale(t.row_exp, 127)[None] * L.row_scale(r_t, 139)[:, None]
+  return y.astype(jnp.bfloat16)
+
+
+def test_kernel_arithmetic_is_the_reference_up_to_sum_order():
+  xq, w = activation(2, 16, 1024), weight(3, 1024, 256)
+  got = np.asarray(emulate(xq, L.tile(w)), np.float32)
+  want = np.asarray(reference.fp4_matmul(dequantize(xq).astype(jnp.bfloat16), w), np.float32)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+  assert np.mean(got != want) < 0.02
+
+
+@pytest.mark.parametrize("m", [1, 16, 40, 64, 100])
+def test_kernels_lower_for_cuda(m):
+  """The whole Mosaic lowering (layout inference, the 8-bit wgmma's operand checks) for a CUDA
+  target, from CPU: one 16-token call, 64 tokens, and calls in sequence past 64."""
+  k, n = 512, 128
+  w = jax.eval_shape(lambda: L.tile(weight(0, k, n)))
+  x = jax.eval_shape(lambda: activation(0, m, k))
+  f = jax.jit(lambda x, w: w4a4.w4a4_matmul(x, w))
+  assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, n)
+  if m == 16:
+    we = jax.eval_shape(lambda: L.tile(weight(0, k, n, experts=4)))
+    g = jax.ShapeDtypeStruct((4,), jnp.int32)
+    f = jax.jit(lambda x, w, g: w4a4.grouped_w4a4_matmul(x, w, g))
+    assert jax.export.export(f, platforms=["cuda"])(x, we, g).out_avals[0].shape == (m, n)
+
+
+def _reference(xq, w, group_sizes=None):
+  x = dequantize(xq).astype(jnp.bfloat16)
+  if group_sizes is None:
+    return np.asarray(reference.fp4_matmul(x, w), np.float32)
+  return np.asarray(reference.grouped_fp4_matmul(x, w, group_sizes), np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 1024), (16, 2048, 768), (40, 768, 2048),
+                                   (64, 2048, 512), (100, 1024, 256)])
+def test_kernel_on_gpu(m, k, n):
+  """Compiled: the reference's numbers up to float32 summation order (each block's product is
+  exact), for one to several calls; and the exact path for an activation the fold misses."""
+  if not w4a4.available():
+    pytest.skip("needs a Hopper GPU")
+  xq, w = activation(m + k, m, k), weight(m + n, k, n)
+  got = np.asarray(w4a4.w4a4_matmul(xq, L.tile(w), exact_path=False), np.float32)
+  want = _reference(xq, w)
+  assert not np.isnan(got).any()
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+  assert np.mean(got != want) < 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [(5, 0, 17, 2), (0, 0, 0, 40)])
+def test_grouped_kernel_on_gpu(sizes):
+  if not w4a4.available():
+    pytest.skip("needs a Hopper GPU")
+  k, n = 1024, 512
+  g = jnp.asarray(sizes, jnp.int32)
+  xq, w = activation(7, int(sum(sizes)) + 3, k), weight(8, k, n, experts=len(sizes))
+  got = np.asarray(w4a4.grouped_w4a4_matmul(xq, L.tile(w), g), np.float32)
+  want = _reference(xq, w, g)
+  assert not np.isnan(got).any()
+  assert np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30) < 1e-3
