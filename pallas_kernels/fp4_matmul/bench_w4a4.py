@@ -35,6 +35,12 @@ DENSE = {"dot 4096x14336": (4096, 14336), "q_proj 2048x4096": (2048, 4096)}
 GROUPED = {"gate/up 2048x768": (2048, 768), "down 768x2048": (768, 2048)}
 CONFIGS = [dict(), dict(block_k=128), dict(block_k=256, max_concurrent_steps=2),
            dict(block_k=128, splits=2), dict(exact_path=True)]
+# --sweep: the kernel's K step, copies in flight and K splits
+SWEEP = [dict(block_k=bk, max_concurrent_steps=st, splits=sp)
+         for bk in (128, 256, 512) for st in (2, 3) for sp in (1, 2, 4, 8)]
+# --in_flight: the blocks whose wgmmas are issued before the first is summed
+IN_FLIGHT = [dict(block_k=bk, max_concurrent_steps=2, splits=sp, in_flight=f)
+             for bk, sp in ((256, 4), (512, 4), (256, 2)) for f in (2, 4, 8)]
 
 
 def _row(result, shape, m, variant, fn, x, ws, nbytes, ref, extra=None):
@@ -74,7 +80,8 @@ def run(batches=(1, 16, 64), shapes=(), configs=CONFIGS) -> dict:
       x16 = dequantize(xq).astype(jnp.bfloat16)
       ref = reference.fp4_matmul(x16, packed[0])
       io = m * k // 2 + m * k // 32 + m * n * 2
-      _row(result, name, m, "xla bf16", reference.bf16_matmul, x16, w16, k * n * 2 + io * 4,
+      _row(result, name, m, "xla bf16", reference.bf16_matmul, x16, w16,
+           (k * n + m * k + m * n) * 2,
            reference.bf16_matmul(x16, w16[0]))
       t = torch_time(m, k, n, copies)
       if t is not None:
@@ -108,7 +115,8 @@ def run(batches=(1, 16, 64), shapes=(), configs=CONFIGS) -> dict:
       extra = {"T": t_rows, "experts_hit": hit}
       _row(result, name, m, "pallas bf16",
            lambda a, w: grouped_bf16_matmul(a, w, g, implementation="pallas"), x16, w16,
-           hit * k * n * 2 + io * 4, reference.grouped_bf16_matmul(x16, w16[0], g), extra)
+           (hit * k * n + t_rows * (k + n)) * 2, reference.grouped_bf16_matmul(x16, w16[0], g),
+           extra)
       timed = torch_grouped(x16, w16[0], g, copies, None)
       if not isinstance(timed, str):
         result["rows"].append({"shape": name, "M": m, "variant": "torch bf16 grouped_mm",
@@ -144,8 +152,11 @@ def main():
   p.add_argument("--batches", default="1,16,64")
   p.add_argument("--shapes", default="", help="comma-separated: dot, q_proj, gate/up, down")
   p.add_argument("--quick", action="store_true", help="the default and exact configs only")
+  p.add_argument("--sweep", action="store_true", help="SWEEP's configs of the W4A4 kernel")
+  p.add_argument("--in_flight", action="store_true", help="IN_FLIGHT's configs")
   a = p.parse_args()
-  configs = [CONFIGS[0], CONFIGS[-1]] if a.quick else CONFIGS
+  configs = ([CONFIGS[0], CONFIGS[-1]] if a.quick else SWEEP if a.sweep else
+             IN_FLIGHT if a.in_flight else CONFIGS)
   result = run(tuple(int(b) for b in a.batches.split(",")),
                tuple(s for s in a.shapes.split(",") if s), configs)
   with open(os.path.join(a.out, "w4a4_bench.json"), "w") as fh:

@@ -85,22 +85,13 @@ def _accumulate(*args, **kwargs):
   return load(acc, **kwargs) if load is not None else acc[...]
 
 
-def _body(x_gmem, words_gmem, scales_gmem, *rest, block_k, steps, max_concurrent_steps,
-          tile_m=None):
-  """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
-  one [64, tile_m] tile of the grouped product (token tile t of x against expert
-  tile_expert[t]'s rows); tiles past the table's last entry do nothing."""
+def _chunk_sums(m, block_k, in_flight):
+  """-> sums(total, x_smem, words_smem, scales_smem): one K step's blocks added to the float32
+  total [64, m] (each block's exact wgmma product times its relative weight scale)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  *table, out_gmem = rest
-  ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
-  ti = jax.lax.axis_index("t") if table else 0
-  m = tile_m or x_gmem.shape[0]
   wgmma_l = plgpu.Layout.WGMMA
   row_l = wgmma_l.reduce(1)
-  chunks, blocks = block_k // CHUNK_K, block_k // BLOCK
-  wi = ni
-  if table:
-    wi = table[0][ti] * jax.lax.axis_size("n") + ni
+  blocks = block_k // BLOCK
 
   def multiplier(scales_smem, b):
     """Block b's relative weight scales, 2^(s - R_n), a [64] row vector."""
@@ -111,38 +102,64 @@ def _body(x_gmem, words_gmem, scales_gmem, *rest, block_k, steps, max_concurrent
     full = plgpu.layout_cast(jax.lax.broadcast_in_dim(scale, (ROWS, m), [0]), wgmma_l)
     return total + part * full
 
-  def step(_, *smem):
-    *x_smem, words_smem, scales_smem, total = smem
-    for j in range(chunks):
-      words = _load(words_smem.at[0, j], plgpu.Layout.WG_STRIDED((128, 4), vec_size=4))
-      a0, a1 = _decode(words)
-      b0, b1 = (plgpu.transpose_ref(x_smem[2 * j + i], (1, 0)) for i in range(2))
-      s0, s1 = multiplier(scales_smem, 2 * j), multiplier(scales_smem, 2 * j + 1)
+  def sums(total, x_smem, words_smem, scales_smem):
+    for g in range(0, blocks, in_flight):  # `in_flight` blocks' wgmmas issued, then summed
+      a = []
+      for j in range(g // 2, (g + in_flight) // 2):
+        a += _decode(_load(words_smem.at[0, j], plgpu.Layout.WG_STRIDED((128, 4), vec_size=4)))
+      group = range(g, g + in_flight)
 
-      def blocks_of_chunk(acc0, acc1):
-        plgpu.wgmma(acc0, a0, b0)
-        plgpu.wgmma(acc1, a1, b1)
-        return _accumulate(acc0, wait_n=1), _accumulate(acc1, wait_n=0)
+      def issue(*accs):
+        for acc, b in zip(accs, group):
+          plgpu.wgmma(acc, a[b - g], plgpu.transpose_ref(x_smem[b], (1, 0)))
+        return tuple(_accumulate(acc, wait_n=len(accs) - 1 - i) for i, acc in enumerate(accs))
 
-      part0, part1 = pl.run_scoped(blocks_of_chunk, plgpu.ACC((ROWS, m)), plgpu.ACC((ROWS, m)))
-      total = promote(promote(total, part0, s0), part1, s1)
+      parts = pl.run_scoped(issue, *[plgpu.ACC((ROWS, m)) for _ in group])
+      for part, b in zip(parts, group):
+        total = promote(total, part, multiplier(scales_smem, b))
     return total
 
+  return sums
+
+
+def _specs(m, block_k, x_block, k_block, w_block):
+  """The pipeline's BlockSpecs for step q: x's blocks (K-major, 32-byte swizzle, as 8-bit
+  wgmma reads B), the weight tile's words and relative scales."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  chunks, blocks = block_k // CHUNK_K, block_k // BLOCK
+  x = [plgpu.BlockSpec((m, BLOCK), lambda q, b=b: (x_block(q), blocks * k_block(q) + b),
+                       transforms=(plgpu.TilingTransform((8, BLOCK)),
+                                   plgpu.SwizzleTransform(BLOCK)))
+       for b in range(blocks)]
+  return [*x, plgpu.BlockSpec((1, chunks, 128, 4), lambda q: (w_block(q), k_block(q), 0, 0)),
+          plgpu.BlockSpec((1, blocks, 64), lambda q: (w_block(q), k_block(q), 0))]
+
+
+def _body(x_gmem, words_gmem, scales_gmem, *rest, block_k, steps, max_concurrent_steps,
+          in_flight, tile_m=None):
+  """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
+  one [64, tile_m] tile of the grouped product (token tile t of x against expert
+  tile_expert[t]'s rows); tiles past the table's last entry do nothing. `in_flight` (2, 4 or 8,
+  dividing the step's blocks): the blocks whose wgmmas are issued before the first is
+  summed."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  *table, out_gmem = rest
+  ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+  ti = jax.lax.axis_index("t") if table else 0
+  m = tile_m or x_gmem.shape[0]
+  blocks = block_k // BLOCK
+  wi = ni
+  if table:
+    wi = table[0][ti] * jax.lax.axis_size("n") + ni
+  sums = _chunk_sums(m, block_k, in_flight)
   k0 = si * steps
-  x_specs = [plgpu.BlockSpec((m, BLOCK), lambda k, b=b: (ti if table else 0, blocks * (k0 + k) + b),
-                             transforms=(plgpu.TilingTransform((8, BLOCK)),
-                                         plgpu.SwizzleTransform(BLOCK)))
-             for b in range(blocks)]
   run = plgpu.emit_pipeline(
-      step,
+      lambda _, *smem: sums(smem[-1], smem[:blocks], *smem[blocks:-1]),
       grid=(steps,),
-      in_specs=[
-          *x_specs,
-          plgpu.BlockSpec((1, chunks, 128, 4), lambda k: (wi, k0 + k, 0, 0)),
-          plgpu.BlockSpec((1, blocks, 64), lambda k: (wi, k0 + k, 0)),
-      ],
+      in_specs=_specs(m, block_k, lambda q: ti if table else 0, lambda q: k0 + q,
+                      lambda q: wi),
       max_concurrent_steps=max_concurrent_steps,
-      init_carry=plgpu.layout_cast(jnp.zeros((ROWS, m), jnp.float32), wgmma_l),
+      init_carry=plgpu.layout_cast(jnp.zeros((ROWS, m), jnp.float32), plgpu.Layout.WGMMA),
   )
 
   def tile():
@@ -165,28 +182,35 @@ def _kernel(name, body, out_shape, grid, names):
 
 def pipeline(m: int, k: int, block_k: int | None = None,
              max_concurrent_steps: int | None = None) -> tuple[int, int]:
-  """(block_k, steps in flight) for M tokens and K: the largest K step of 256 or 128 values
-  (64 where K takes no more) dividing K that keeps three steps in flight, at most four."""
-  def stage(bk):
-    return bk * m + bk // CHUNK_K * 2048 + bk // BLOCK * ROWS
-
-  def steps(bk):
-    return min(max_concurrent_steps or 4, (SMEM_BYTES - ROWS * m * 4 - 4096) // stage(bk))
-
+  """(block_k, steps in flight) for M tokens and K: what is given, the rest as measured best on
+  the H200 (BENCHMARKS.md, "W4A4 on FP8 tensor cores"): K steps of 512 values up to 32 tokens,
+  256 past them (smaller where K takes no more), two steps in flight; checked against shared
+  memory."""
   if block_k is None:
-    fits = [bk for bk in (256, 128, 64) if k % bk == 0]
+    fits = [bk for bk in ((512, 256) if m <= 32 else (256,)) + (128, 64) if k % bk == 0]
     if not fits:
       raise ValueError(f"K ({k}) must be a multiple of {CHUNK_K}")
-    block_k = next((bk for bk in fits if steps(bk) >= 3), fits[-1])
-  if k % block_k or block_k % CHUNK_K or steps(block_k) < 1:
+    block_k = fits[0]
+  steps = max_concurrent_steps or 2
+  stage = block_k * m + block_k // CHUNK_K * 2048 + block_k // BLOCK * ROWS
+  if k % block_k or block_k % CHUNK_K or steps * stage + ROWS * m * 4 + 4096 > SMEM_BYTES:
     raise ValueError(f"block_k ({block_k}) must be a multiple of {CHUNK_K} dividing K ({k}) "
-                     f"whose pipeline fits shared memory at M = {m}")
-  return block_k, steps(block_k)
+                     f"whose {steps} steps in flight fit shared memory at M = {m}")
+  return block_k, steps
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps"))
+def default_splits(m: int, n: int, k_steps: int) -> int:
+  """K splits, as measured best on the H200: enough for four blocks of the grid per
+  multiprocessor up to 32 tokens, two past them (their partial sums cost a pass each)."""
+  from pallas_kernels.fp4_matmul import api
+  return api.default_splits(1, n // ROWS, k_steps, programs=(4 if m <= 32 else 2) * 132,
+                            max_splits=8)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps",
+                                             "in_flight"))
 def w4a4_partials(x8, words, scales, *, block_k: int = 256, splits: int = 1,
-                  max_concurrent_steps: int = 4):
+                  max_concurrent_steps: int = 2, in_flight: int = 2):
   """x8 E4M3 [M, K] (M a multiple of 16, at most 64), a weight's words [N/64, K/64, 512] and
   relative scales [N/64, K/32, 64] (`w4a4_layout.tile`) -> float32 [splits, N, M] partials of
   y^T, before the rows' and tokens' powers of two."""
@@ -196,16 +220,18 @@ def w4a4_partials(x8, words, scales, *, block_k: int = 256, splits: int = 1,
     raise ValueError(f"the W4A4 kernel needs x [M, K] with M ({m}) a multiple of 16 up to "
                      f"{MAX_M}, words [N/64, K/64, 512] (got {words.shape} for K = {k}) and K "
                      f"divisible by block_k ({block_k}) x splits ({splits})")
+  _check_in_flight(in_flight, block_k)
   steps = k // block_k // splits
-  body = functools.partial(_body, block_k=block_k, steps=steps,
+  body = functools.partial(_body, block_k=block_k, steps=steps, in_flight=in_flight,
                            max_concurrent_steps=min(max_concurrent_steps, steps))
   return _kernel("w4a4_wgmma", body, (splits, n, m), (n // ROWS, splits), ("n", "s"))(
       x8, words.reshape(*words.shape[:2], 128, 4), scales)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps"))
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps",
+                                             "in_flight"))
 def grouped_w4a4_partials(x8, words, scales, tile_expert, *, block_k: int = 128,
-                          splits: int = 1, max_concurrent_steps: int = 4):
+                          splits: int = 1, max_concurrent_steps: int = 4, in_flight: int = 2):
   """The grouped form: x8 E4M3 [16 x tiles, K] (rows in 16-token tiles), per-expert words
   [E, N/64, K/64, 512] and scales [E, N/64, K/32, 64], tile_expert [tiles + 1] (each tile's
   expert, then the tiles in use) -> float32 [splits, N, 16 x tiles]; unused tiles' columns are
@@ -218,14 +244,21 @@ def grouped_w4a4_partials(x8, words, scales, tile_expert, *, block_k: int = 128,
                      f"tile and one more (got {r} rows, {tile_expert.shape} entries), words "
                      f"[E, N/64, K/64, 512] (got {words.shape} for K = {k}) and K divisible by "
                      f"block_k ({block_k}) x splits ({splits})")
+  _check_in_flight(in_flight, block_k)
   steps = k // block_k // splits
-  body = functools.partial(_body, block_k=block_k, steps=steps,
+  body = functools.partial(_body, block_k=block_k, steps=steps, in_flight=in_flight,
                            max_concurrent_steps=min(max_concurrent_steps, steps), tile_m=16)
   grid, names = ((n // ROWS, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
       (n // ROWS, splits, r // 16), ("n", "s", "t"))
   return _kernel("grouped_w4a4_wgmma", body, (splits, n, r), grid, names)(
       x8, words.reshape(-1, words.shape[2], 128, 4), scales.reshape(-1, *scales.shape[2:]),
       tile_expert.astype(jnp.int32))
+
+
+def _check_in_flight(in_flight: int, block_k: int) -> None:
+  if in_flight not in (2, 4, 8) or (block_k // BLOCK) % in_flight:
+    raise ValueError(f"in_flight must be 2, 4 or 8 and divide the step's {block_k // BLOCK} "
+                     f"blocks (block_k {block_k}), got {in_flight}")
 
 
 def fold_misses(xq: QArray) -> jax.Array:
@@ -249,7 +282,7 @@ def _scaled(partials, row_exp, token_exp):
 
 def w4a4_matmul(xq: QArray, w: TiledW4, *, block_k: int | None = None,
                 splits: int | None = None, max_concurrent_steps: int | None = None,
-                exact_path: bool = True) -> jax.Array:
+                in_flight: int = 2, exact_path: bool = True) -> jax.Array:
   """An MXFP4 activation xq [M, K] (quantized along K) @ an MXFP4 weight in the W4A4 layout
   -> [M, N] bf16, on FP8 tensor cores (compiled Hopper only); calls of up to 64 tokens.
   exact_path: where the activation has blocks the fold cannot hold, compute the call by XLA's
@@ -257,21 +290,20 @@ def w4a4_matmul(xq: QArray, w: TiledW4, *, block_k: int | None = None,
   from pallas_kernels.fp4_matmul import api
   _check(w, False, "w4a4_matmul")
   k, n = w.shape
+  if xq.shape[-1] != k:
+    raise ValueError(f"x has {xq.shape[-1]} features, the weight expects {k}")
   x8, token_exp, misses = activation_e4m3(xq)
-  if x8.shape[1] != k:
-    raise ValueError(f"x has {x8.shape[1]} features, the weight expects {k}")
   m = x8.shape[0]
   mp = 16 if m <= 16 else -(-m // 32) * 32 if m <= MAX_M else -(-m // MAX_M) * MAX_M
   rows = min(mp, MAX_M)
   x8 = jnp.pad(x8, ((0, mp - m), (0, 0)))
   token_exp = jnp.pad(token_exp, (0, mp - m), constant_values=127)
   block_k, stages = pipeline(rows, k, block_k, max_concurrent_steps)
-  splits = splits or api.default_splits(1, n // ROWS, k // block_k, programs=2 * 132,
-                                        max_splits=8)
+  splits = splits or default_splits(rows, n, k // block_k)
 
   def call(x8c, expc):
     partials = w4a4_partials(x8c, w.words, w.scales, block_k=block_k, splits=splits,
-                             max_concurrent_steps=stages)
+                             max_concurrent_steps=stages, in_flight=in_flight)
     return _scaled(partials, w.row_exp, expc)
 
   if mp <= MAX_M:
@@ -294,7 +326,7 @@ def _dequantized(xq: QArray) -> jax.Array:
 
 def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
                         block_k: int | None = None, splits: int | None = None,
-                        max_concurrent_steps: int | None = None,
+                        max_concurrent_steps: int | None = None, in_flight: int = 2,
                         exact_path: bool = True) -> jax.Array:
   """The MoE expert matmul on FP8 tensor cores: xq [T, K] (MXFP4, rows sorted by expert) @
   W[e] -> [T, N] bf16 for per-expert weights in the W4A4 layout; rows past sum(group_sizes)
@@ -302,18 +334,21 @@ def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
   from pallas_kernels.fp4_matmul import api
   _check(w, True, "grouped_w4a4_matmul")
   e, k, n = w.shape
-  x8, token_exp, misses = activation_e4m3(xq)
-  if x8.shape[1] != k or group_sizes.shape != (e,):
+  if xq.shape[-1] != k or group_sizes.shape != (e,):
     raise ValueError(f"grouped_w4a4_matmul takes x [T, {k}] and group_sizes [{e}] for this "
-                     f"weight, got x {x8.shape} and group_sizes {group_sizes.shape}")
-  block_k, stages = pipeline(16, k, block_k, max_concurrent_steps)
+                     f"weight, got x {xq.shape} and group_sizes {group_sizes.shape}")
+  x8, token_exp, misses = activation_e4m3(xq)
+  # the grouped kernel's measured defaults: K steps of 256 values (or fewer), four in flight
+  block_k = block_k or next((bk for bk in (256, 128, 64) if k % bk == 0), CHUNK_K)
+  block_k, stages = pipeline(16, k, block_k, max_concurrent_steps or 4)
   src, tile_expert, dest = api.tile_rows(group_sizes, x8.shape[0], 16)
   xt = jnp.take(x8, src, axis=0, mode="fill", fill_value=0)  # [16 x tiles, K]
   exp_t = jnp.take(token_exp, src, mode="fill", fill_value=127)
   splits = splits or api.default_splits(xt.shape[0] // 16, n // ROWS, k // block_k,
                                         programs=2 * 132, max_splits=8)
   partials = grouped_w4a4_partials(xt, w.words, w.scales, tile_expert, block_k=block_k,
-                                   splits=splits, max_concurrent_steps=stages)
+                                   splits=splits, max_concurrent_steps=stages,
+                                   in_flight=in_flight)
   # each tile's rows take their expert's row scales
   y_t = jnp.sum(partials, axis=0)  # [N, 16 x tiles]
   rows_of = jnp.repeat(tile_expert[:-1], 16)  # each column's expert

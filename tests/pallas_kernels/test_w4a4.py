@@ -13,20 +13,22 @@ from tests.pallas_kernels import ptx_emu
 from trace_jax.quant import MXFP4, NVFP4, dequantize, quantize
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+tile, e4m3_values, fold = jax.jit(L.tile), jax.jit(L.e4m3_values), jax.jit(L.activation_e4m3)
 
 
 def weight(seed, k, n, experts=None):
   shape = (k, n) if experts is None else (experts, k, n)
   w = jax.random.normal(jax.random.PRNGKey(seed), shape)
   w = w * jnp.exp(2 * jax.random.normal(jax.random.PRNGKey(seed + 1), shape[:-2] + (1, n)))
-  return quantize(w, MXFP4, axis=-2)
+  return jax.jit(quantize, static_argnames=("fmt", "axis"))(w, MXFP4, axis=-2)
 
 
 def activation(seed, m, k, spread=3.0):
   """Heavy-tailed tokens with outlier channels: block scales several binades apart."""
   x = jax.random.normal(jax.random.PRNGKey(seed), (m, k))
   x = x * jnp.exp(spread * jax.random.normal(jax.random.PRNGKey(seed + 1), (1, k)))
-  return quantize(x * jnp.exp(jax.random.normal(jax.random.PRNGKey(seed + 2), (m, 1))), MXFP4)
+  x = x * jnp.exp(jax.random.normal(jax.random.PRNGKey(seed + 2), (m, 1)))
+  return jax.jit(quantize, static_argnames="fmt")(x, MXFP4)
 
 
 def test_decode_asm_is_the_layouts_rule_for_every_bit_pattern():
@@ -56,14 +58,14 @@ def test_tile_holds_every_value_exactly(experts):
   code byte lands in the word slot of the thread and register the kernel gives it."""
   k, n = 256, 128
   w = weight(0, k, n, experts)
-  t = L.tile(w)
+  t = tile(w)
   lead = () if experts is None else (experts,)
   assert t.words.shape == (*lead, n // 64, k // 64, 512) and t.shape == (*lead, k, n)
   s = w.scales.astype(jnp.int32)
   per_elem = jnp.repeat(L.scale_multipliers(t), 32, axis=-2)
   rows = L.row_scale(t.row_exp, 127)[..., None, :]
-  np.testing.assert_array_equal(L.e4m3_values(t) / 64 * per_elem * rows, dequantize(w))
-  back = L.untile(t)
+  np.testing.assert_array_equal(e4m3_values(t) / 64 * per_elem * rows, dequantize(w))
+  back = jax.jit(L.untile)(t)
   np.testing.assert_array_equal(back.codes, w.codes)
   np.testing.assert_array_equal(back.scales, s.astype(jnp.uint8))
   if experts is None:
@@ -79,18 +81,18 @@ def test_tile_refuses_what_it_cannot_hold():
   with pytest.raises(ValueError, match="MXFP4"):
     L.tile(quantize(jnp.ones((256, 128)), NVFP4, axis=0))
   with pytest.raises(ValueError, match="divisible by 64"):
-    L.tile(weight(0, 256, 96))
+    jax.eval_shape(L.tile, weight(0, 256, 96))
   with pytest.raises(ValueError, match="W4A4 layout"):
     w4a4.w4a4_matmul(activation(0, 2, 256), weight(0, 256, 128))
   with pytest.raises(ValueError, match="features"):
-    w4a4.w4a4_matmul(activation(0, 2, 128), L.tile(weight(0, 256, 128)))
+    w4a4.w4a4_matmul(activation(0, 2, 128), tile(weight(0, 256, 128)))
 
 
 def test_activation_fold_is_exact_within_its_range():
   """Folded values times 2^(R_t - 133) are the dequantized activation, bit for bit, while the
   token's blocks lie within 2^14 of its largest; a block further below is counted."""
   xq = activation(1, 8, 512, spread=1.5)
-  x8, r, misses = L.activation_e4m3(xq)
+  x8, r, misses = fold(xq)
   assert int(misses) == 0
   back = x8.astype(jnp.float32) * L.row_scale(r, 127 + L.ACT_SHIFT)[:, None]
   np.testing.assert_array_equal(back, dequantize(xq))
@@ -98,18 +100,18 @@ def test_activation_fold_is_exact_within_its_range():
   s[3, 5] = s[3].max() - 15  # one block 2^15 below its token's largest
   far = type(xq)(xq.codes, jnp.asarray(s), None, MXFP4, -1)
   if np.any(np.asarray(xq.codes)[3, 80:96] & 0x77):
-    assert int(L.activation_e4m3(far)[2]) == 1
+    assert int(fold(far)[2]) == 1
   s[3, 5] = 255  # a NaN scale
-  assert int(L.activation_e4m3(type(xq)(xq.codes, jnp.asarray(s), None, MXFP4, -1))[2]) >= 1
+  assert int(fold(type(xq)(xq.codes, jnp.asarray(s), None, MXFP4, -1))[2]) >= 1
 
 
 def emulate(xq, t):
   """The kernel's arithmetic in jnp: one exact product a block, times the weight block's
   relative scale, summed in float32; the rows' and tokens' powers of two at the end."""
-  x8, r_t, _ = L.activation_e4m3(xq)
+  x8, r_t, _ = fold(xq)
   k, n = t.shape
   a = x8.astype(jnp.float32).reshape(-1, k // 32, 32)
-  wv = L.e4m3_values(t).reshape(k // 32, 32, n)
+  wv = e4m3_values(t).reshape(k // 32, 32, n)
   parts = jnp.einsum("mbk,bkn->bmn", a, wv, precision="highest")  # exact: small integers
   total = jnp.sum(parts * L.scale_multipliers(t)[:, None, :], axis=0)
   y = total * L.row_scale(t.row_exp, 127)[None] * L.row_scale(r_t, 139)[:, None]
@@ -118,7 +120,7 @@ def emulate(xq, t):
 
 def test_kernel_arithmetic_is_the_reference_up_to_sum_order():
   xq, w = activation(2, 16, 1024), weight(3, 1024, 256)
-  got = np.asarray(emulate(xq, L.tile(w)), np.float32)
+  got = np.asarray(emulate(xq, tile(w)), np.float32)
   want = np.asarray(reference.fp4_matmul(dequantize(xq).astype(jnp.bfloat16), w), np.float32)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
   assert np.mean(got != want) < 0.02
