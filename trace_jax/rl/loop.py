@@ -95,6 +95,17 @@ class Run:
   def place_rollout(self, x):
     return S.place(x, S.batch_shardings(x, self.mesh, S.ROLLOUT_RULES))
 
+  def initial_state(self, reference: bool = False) -> dict:
+    """The state before step 0; with `reference`, shaped as from the first RL step on."""
+    init_key, key = jax.random.split(jax.random.PRNGKey(self.c.seed))
+    state = {**self.trainer.init_state(init_params(self.cfg, init_key)), "key": key}
+    return self.trainer.with_reference(state) if reference else state
+
+  def has_reference(self, step: int) -> bool:
+    """Whether the state after `step` steps holds the KL penalty's reference: the policy where
+    RL starts, so from the first RL step on (not carried through the warm start)."""
+    return self.c.rl.kl_coef > 0 and step > self.c.sft.steps
+
   # -- steps -------------------------------------------------------------------------------
 
   def sft_step(self, state, step):
@@ -107,6 +118,10 @@ class Run:
 
   def rl_step(self, state, step):
     c, g = self.c, self.c.rl.group_size
+    if c.rl.kl_coef > 0 and "ref_params" not in state:
+      # RL starts here, from this policy; placed as a restored state is, so that a resumed run
+      # runs the programs an uninterrupted one compiled
+      state = self.place_state(self.trainer.with_reference(state))
     records = [r for r in self.rl_batches[step - c.sft.steps] for _ in range(g)]
     diag = c.log.flip_rate_every and (step - c.sft.steps) % c.log.flip_rate_every == 0
     engine = self.diag_engine if diag else self.engine
@@ -184,9 +199,7 @@ def _open(c, workdir: str, ckpt: Checkpointer, log=print):
   else:
     tokenizer = CharTokenizer(make_task(c.task).alphabet())
   run = Run(c, workdir, tokenizer)
-  init_key, key = jax.random.split(jax.random.PRNGKey(c.seed))
-  state = run.trainer.init_state(init_params(run.cfg, init_key))
-  state["key"] = key
+  state = run.initial_state(reference=run.has_reference(start))
   if start:
     state, _ = ckpt.restore(start, state)
     log(f"resumed from step {start} in {ckpt.directory}")
