@@ -1,15 +1,22 @@
-"""The run loop with a KL penalty: its reference is the policy where RL starts."""
+"""The run loop under stops and with a KL penalty: a SIGTERM or Ctrl-C at any point and the
+rerun's metrics equal an uninterrupted run's; the KL penalty's reference is the policy where RL
+starts."""
+
+import os
+import signal
 
 import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from tests.test_main import data_dir, smoke  # noqa: F401 (data_dir: a fixture)
-from trace_jax.rl.loop import train
-from trace_jax.rl.writer import read_metrics
+from tests.test_main import comparable, data_dir, smoke  # noqa: F401 (data_dir: a fixture)
+from trace_jax.rl.checkpoint import Checkpointer
+from trace_jax.rl.loop import Interrupted, Run, train
+from trace_jax.rl.writer import MetricsWriter, read_metrics
 
-# smoke sizes: 3 warm-start steps, then 4 RL steps (steps 3-6)
-TOTAL = 7
+# smoke sizes: 3 warm-start steps, then 4 RL steps (steps 3-6); evaluations after steps 2, 5
+# and 6; checkpoints at 2, 4, 6 and 7 (the newest two kept)
+SFT, TOTAL = 3, 7
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,3 +56,57 @@ def test_the_kl_penalty_starts_at_the_policy_where_rl_starts(uninterrupted):
   kl = [r["train/kl_ref"] for r in rows if r["phase"] == "rl"]
   assert abs(kl[0]) < 1e-7, kl  # the first RL step's policy is the reference
   assert 1e-5 < kl[1] < kl[2] < kl[3], kl  # and moves away from it
+
+
+def kill_self(signum=signal.SIGTERM):
+  os.kill(os.getpid(), signum)
+
+
+def during_evaluation(monkeypatch, signum):
+  evaluate = Run.evaluate
+  def killed(self, params):
+    monkeypatch.undo()
+    kill_self(signum)
+    return evaluate(self, params)
+  monkeypatch.setattr(Run, "evaluate", killed)
+  return SFT  # the first evaluation follows the last warm-start step: RL has not started
+
+
+def during_a_save(monkeypatch, signum):
+  save = Checkpointer.save
+  def killed(self, step, state, meta):
+    if step == 4:
+      monkeypatch.undo()
+      kill_self(signum)
+    return save(self, step, state, meta)
+  monkeypatch.setattr(Checkpointer, "save", killed)
+  return 4
+
+
+def between_steps(monkeypatch, signum):
+  write = MetricsWriter.write
+  def killed(self, step, metrics):
+    row = write(self, step, metrics)
+    if step == 4:  # step 4 is done and logged; step 5 has not started
+      monkeypatch.undo()
+      kill_self(signum)
+    return row
+  monkeypatch.setattr(MetricsWriter, "write", killed)
+  return 5
+
+
+@pytest.mark.parametrize("stop,signum", [
+    (during_evaluation, signal.SIGTERM), (during_a_save, signal.SIGTERM),
+    (between_steps, signal.SIGTERM), (between_steps, signal.SIGINT)],
+    ids=["evaluation", "save", "between_steps", "between_steps_ctrl_c"])
+def test_a_stop_anywhere_resumes_as_if_never_stopped(stop, signum, uninterrupted, data_dir,
+                                                     tmp_path, monkeypatch):
+  c, workdir, messages = config(data_dir), str(tmp_path), []
+  saved = stop(monkeypatch, signum)
+  with pytest.raises(Interrupted):
+    train(c, workdir, progress=False, log=messages.append)
+  assert f"the newest checkpoint is step {saved}" in messages[-1]
+  assert [r["step"] for r in read_metrics(workdir)] == list(range(saved))
+  train(c, workdir, progress=False, log=messages.append)
+  assert f"resumed from step {saved}" in "\n".join(messages)
+  assert comparable(read_metrics(workdir)) == comparable(uninterrupted[1])

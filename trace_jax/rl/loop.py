@@ -2,7 +2,8 @@
 
 `train(config, workdir)` is the whole run; it resumes from the newest checkpoint in `workdir`.
 Every step writes a row of DESIGN section 7 metrics; a step's data and sampling key are functions
-of the step number, so a resumed run continues exactly as an uninterrupted one.
+of the step number, so a resumed run continues exactly as an uninterrupted one. A SIGTERM or
+Ctrl-C stops the run between steps, with a checkpoint of the steps done.
 """
 
 from __future__ import annotations
@@ -181,12 +182,37 @@ def saved_config(saved: dict) -> ml_collections.ConfigDict:
   return c
 
 
-class _Preempted(Exception):
-  pass
+class Interrupted(Exception):
+  """A SIGTERM or SIGINT stopped the run: after the step in flight, its checkpoint saved (the
+  first signal), or at once (a second one)."""
+
+  def __init__(self, signum: int, at_once: bool = False):
+    super().__init__(signal.Signals(signum).name)
+    self.signum, self.at_once = signum, at_once
 
 
-def _raise_preempted(signum, frame):
-  raise _Preempted(f"signal {signum}")
+class _StopBetweenSteps:
+  """While active, SIGTERM and SIGINT set a flag the loop reads between steps, so a step's
+  update, metrics row and checkpoint happen whole or not at all; a second signal stops at once
+  (the newest checkpoint and its rows stay as they were)."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signum, self._previous = None, {}
+
+  def _handle(self, signum, frame):
+    if self.signum is not None:
+      raise Interrupted(signum, at_once=True)
+    self.signum = signum
+
+  def __enter__(self):
+    self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc):
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
 
 
 def _open(c, workdir: str, ckpt: Checkpointer, log=print):
@@ -239,41 +265,44 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   def save(done):
     meta = {"step": done, "data_position": done, "tokenizer": tokenizer.to_json(),
             "config": _config_json(c)}
+    writer.sync()
     ckpt.save(done, state, meta)
 
-  previous = signal.signal(signal.SIGTERM, _raise_preempted)
   bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
              desc=f"{c.rl.mode}", dynamic_ncols=True)
-  step = start
+  done = start  # steps completed: updated, evaluated, checked, logged
   try:
-    for step in bar:
-      phase = "sft" if step < c.sft.steps else "rl"
-      state, metrics = (run.sft_step if phase == "sft" else run.rl_step)(state, step)
-      metrics["phase"] = phase
-      if (step + 1) % c.eval.every == 0 or step + 1 in (c.sft.steps, total):
-        metrics.update(run.evaluate(state["params"]))
-      if not np.isfinite(metrics["train/loss"]):
-        last = ckpt.latest_step()
-        raise FloatingPointError(
-            f"train/loss is {metrics['train/loss']} at step {step} ({phase}, mode {c.rl.mode}); "
-            f"stopping. The last good checkpoint is step {last} in {ckpt.directory}; lower the "
-            f"learning rate or optim.max_grad_norm before resuming.")
-      writer.write(step, metrics)
-      bar.set_postfix(_postfix(metrics), refresh=False)
-      if (step + 1) % c.checkpoint.every == 0 or step + 1 == total:
-        save(step + 1)
-  except (KeyboardInterrupt, _Preempted):
-    done = step  # the step in flight did not finish
-    try:
-      if done > (ckpt.latest_step() or 0):
-        save(done)
-    except (RuntimeError, ValueError):  # the step in flight had taken (donated) the state
-      done = ckpt.latest_step() or 0
-    log(f"interrupted: the newest checkpoint is step {done} in {ckpt.directory}; rerun the "
-        "same command to resume")
+    with _StopBetweenSteps() as stop:
+      for step in bar:
+        phase = "sft" if step < c.sft.steps else "rl"
+        state, metrics = (run.sft_step if phase == "sft" else run.rl_step)(state, step)
+        metrics["phase"] = phase
+        if (step + 1) % c.eval.every == 0 or step + 1 in (c.sft.steps, total):
+          metrics.update(run.evaluate(state["params"]))
+        if not np.isfinite(metrics["train/loss"]):
+          last = ckpt.latest_step()
+          raise FloatingPointError(
+              f"train/loss is {metrics['train/loss']} at step {step} ({phase}, mode "
+              f"{c.rl.mode}); stopping. The last good checkpoint is step {last} in "
+              f"{ckpt.directory}; lower the learning rate or optim.max_grad_norm before resuming.")
+        writer.write(step, metrics)
+        done = step + 1
+        bar.set_postfix(_postfix(metrics), refresh=False)
+        if done % c.checkpoint.every == 0 or done == total:
+          save(done)
+        if stop.signum is not None:
+          break
+      if stop.signum is not None and done < total:
+        if done != ckpt.latest_step():
+          save(done)
+        raise Interrupted(stop.signum)
+  except Interrupted as e:
+    newest = ckpt.latest_step()
+    log(f"interrupted by {e}{' twice: stopped at once' if e.at_once else ''}: "
+        + (f"the newest checkpoint is step {newest}" if newest else "no checkpoint yet")
+        + f" in {ckpt.directory}; rerun the same command to resume")
     raise
   finally:
-    signal.signal(signal.SIGTERM, previous)
     bar.close()
     writer.close()
     ckpt.close()
