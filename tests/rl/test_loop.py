@@ -1,8 +1,9 @@
-"""The run loop under stops and with a KL penalty: a SIGTERM or Ctrl-C at any point and the
-rerun's metrics equal an uninterrupted run's; the KL penalty's reference is the policy where RL
-starts."""
+"""The run loop under stops and with a KL penalty: a SIGTERM or Ctrl-C at any point, or an
+unreadable newest checkpoint, and the rerun's metrics equal an uninterrupted run's; the KL
+penalty's reference is the policy where RL starts."""
 
 import os
+import shutil
 import signal
 
 import jax
@@ -110,3 +111,32 @@ def test_a_stop_anywhere_resumes_as_if_never_stopped(stop, signum, uninterrupted
   train(c, workdir, progress=False, log=messages.append)
   assert f"resumed from step {saved}" in "\n".join(messages)
   assert comparable(read_metrics(workdir)) == comparable(uninterrupted[1])
+
+
+def truncate_largest_file(directory):
+  files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
+  largest = max(files, key=os.path.getsize)
+  with open(largest, "r+b") as fh:
+    fh.truncate(os.path.getsize(largest) // 2)
+
+
+def test_an_unreadable_newest_checkpoint_is_named_and_the_one_before_resumes(
+    uninterrupted, data_dir, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(uninterrupted[0], workdir)
+  newest = os.path.join(workdir, "checkpoints", str(TOTAL))
+  truncate_largest_file(newest)
+  messages = []
+  train(config(data_dir), workdir, progress=False, log=messages.append)
+  unreadable = [m for m in messages if "cannot be read" in m]
+  assert len(unreadable) == 1 and newest in unreadable[0] and "\n" not in unreadable[0]
+  assert f"resumed from step {TOTAL - 1}" in "\n".join(messages)
+  assert comparable(read_metrics(workdir)) == comparable(uninterrupted[1])
+  assert os.path.isdir(newest + ".unreadable")  # set aside, not deleted
+
+  # with no checkpoint left to read, the run stops rather than starting over
+  for step in (TOTAL - 1, TOTAL):
+    truncate_largest_file(os.path.join(workdir, "checkpoints", str(step)))
+  with pytest.raises(ValueError, match=r"no checkpoint in .* can be read"):
+    train(config(data_dir), workdir, progress=False, log=quiet)
+  assert all(os.path.isdir(os.path.join(workdir, "checkpoints", str(s))) for s in (TOTAL - 1, TOTAL))

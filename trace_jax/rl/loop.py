@@ -215,35 +215,67 @@ class _StopBetweenSteps:
       signal.signal(s, handler)
 
 
-def _open(c, workdir: str, ckpt: Checkpointer, log=print):
-  """The run of `c` in `workdir` and its state: fresh, or from the newest checkpoint."""
-  start = ckpt.latest_step() or 0
-  if start:
-    meta = ckpt.meta(start)
-    _check_same_config(_config_json(saved_config(meta["config"])), _config_json(c), workdir)
-    tokenizer = load_tokenizer_json(meta["tokenizer"])
-  else:
-    tokenizer = CharTokenizer(make_task(c.task).alphabet())
-  run = Run(c, workdir, tokenizer)
-  state = run.initial_state(reference=run.has_reference(start))
-  if start:
-    state, _ = ckpt.restore(start, state)
-    log(f"resumed from step {start} in {ckpt.directory}")
+def _reason(e: BaseException) -> str:
+  """The first line of the innermost error under `e` (orbax wraps TensorStore's)."""
+  for _ in range(16):  # a chain, not a cycle
+    if (e.__cause__ or e.__context__) is None:
+      break
+    e = e.__cause__ or e.__context__
+  lines = str(e).strip().splitlines() or [""]
+  return f"{type(e).__name__}: {lines[0][:200]}"
+
+
+def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = False):
+  """The run of `c` in `workdir`, its state and step: from the newest checkpoint that can be
+  read, or fresh. Each one that cannot (a truncated file) is reported by name in one line, and
+  with `set_aside` renamed out of the way of the run's next saves."""
+  run, state, start, unreadable = None, None, 0, []
+  for step in ckpt.steps():
+    try:
+      meta = ckpt.meta(step)
+    except Exception as e:  # noqa: BLE001 (orbax raises bare Exceptions for unreadable files)
+      unreadable.append((step, e))
+      continue
+    if run is None:
+      _check_same_config(_config_json(saved_config(meta["config"])), _config_json(c), workdir)
+      run = Run(c, workdir, load_tokenizer_json(meta["tokenizer"]))
+    try:
+      state, _ = ckpt.restore(step, run.initial_state(reference=run.has_reference(step)))
+    except Exception as e:  # noqa: BLE001
+      unreadable.append((step, e))
+      continue
+    start = step
+    break
+  if state is None and unreadable:
+    raise ValueError(f"no checkpoint in {ckpt.directory} can be read: " + "; ".join(
+        f"step {step}: {_reason(e)}" for step, e in unreadable))
+  for step, e in unreadable:
+    log(f"checkpoint {ckpt.path(step)} cannot be read ({_reason(e)}); "
+        + (f"set aside as {ckpt.set_aside(step)}" if set_aside else "skipped"))
+  if state is None:
+    run = Run(c, workdir, CharTokenizer(make_task(c.task).alphabet()))
+    state = run.initial_state()
   return run, run.place_state(state), start
 
 
 def load_run(workdir: str, data_dir: str | None = None):
-  """A finished (or stopped) run and its newest state, e.g. to evaluate or probe its policy.
-  -> (Run, state, step)"""
+  """A finished (or stopped) run and its newest readable state, e.g. to evaluate or probe its
+  policy. -> (Run, state, step)"""
   ckpt = Checkpointer(workdir)
-  step = ckpt.latest_step()
-  if step is None:
-    raise ValueError(f"no checkpoint in {workdir}")
-  c = saved_config(ckpt.meta(step)["config"])
-  if data_dir is not None:
-    c.data_dir = data_dir
   try:
-    return _open(c, workdir, ckpt, log=lambda *_: None)
+    saved = None
+    for step in ckpt.steps():
+      try:
+        saved = ckpt.meta(step)["config"]
+        break
+      except Exception:  # noqa: BLE001 (_open names it)
+        continue
+    if saved is None:
+      raise ValueError(f"no checkpoint in {workdir} can be read")
+    c = saved_config(saved)
+    if data_dir is not None:
+      c.data_dir = data_dir
+    return _open(c, workdir, ckpt)
   finally:
     ckpt.close()
 
@@ -254,7 +286,9 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   validate(c)
   os.makedirs(workdir, exist_ok=True)
   ckpt = Checkpointer(workdir, c.checkpoint.keep)
-  run, state, start = _open(c, workdir, ckpt, log)
+  run, state, start = _open(c, workdir, ckpt, log, set_aside=True)
+  if start:
+    log(f"resumed from step {start} in {ckpt.directory}")
   tokenizer = run.tok
   tokenizer.save(workdir)
   with open(os.path.join(workdir, "config.json"), "w") as fh:
