@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import time
 
 import jax
@@ -31,6 +30,7 @@ from trace_jax.rl.checkpoint import Checkpointer
 from trace_jax.rl.defaults import base_config
 from trace_jax.rl.episodes import episode_length, greedy_accuracy, rollout
 from trace_jax.rl.plots import plot_run
+from trace_jax.rl.preemption import Interrupted, StopBetweenSteps
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
 from trace_jax.rl.trainer import RLOptions, Trainer, make_optimizer, mode_setup
@@ -182,39 +182,6 @@ def saved_config(saved: dict) -> ml_collections.ConfigDict:
   return c
 
 
-class Interrupted(Exception):
-  """A SIGTERM or SIGINT stopped the run: after the step in flight, its checkpoint saved (the
-  first signal), or at once (a second one)."""
-
-  def __init__(self, signum: int, at_once: bool = False):
-    super().__init__(signal.Signals(signum).name)
-    self.signum, self.at_once = signum, at_once
-
-
-class _StopBetweenSteps:
-  """While active, SIGTERM and SIGINT set a flag the loop reads between steps, so a step's
-  update, metrics row and checkpoint happen whole or not at all; a second signal stops at once
-  (the newest checkpoint and its rows stay as they were)."""
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.signum, self._previous = None, {}
-
-  def _handle(self, signum, frame):
-    if self.signum is not None:
-      raise Interrupted(signum, at_once=True)
-    self.signum = signum
-
-  def __enter__(self):
-    self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-    return self
-
-  def __exit__(self, *exc):
-    for s, handler in self._previous.items():
-      signal.signal(s, handler)
-
-
 def _reason(e: BaseException) -> str:
   """The first line of the innermost error under `e` (orbax wraps TensorStore's)."""
   for _ in range(16):  # a chain, not a cycle
@@ -222,7 +189,7 @@ def _reason(e: BaseException) -> str:
       break
     e = e.__cause__ or e.__context__
   lines = str(e).strip().splitlines() or [""]
-  return f"{type(e).__name__}: {lines[0][:200]}"
+  return f"{type(e).__name__}: {lines[0][:300]}"
 
 
 def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = False):
@@ -306,7 +273,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
              desc=f"{c.rl.mode}", dynamic_ncols=True)
   done = start  # steps completed: updated, evaluated, checked, logged
   try:
-    with _StopBetweenSteps() as stop:
+    with StopBetweenSteps() as stop:
       for step in bar:
         phase = "sft" if step < c.sft.steps else "rl"
         state, metrics = (run.sft_step if phase == "sft" else run.rl_step)(state, step)
