@@ -136,7 +136,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(data_dir, tmp_path):
       break
     time.sleep(0.02)
   out = proc.communicate()[0]
-  assert proc.returncode != 0 and "interrupted: the newest checkpoint is step" in out
+  assert proc.returncode != 0 and "interrupted by SIGTERM: the newest checkpoint is step" in out
   saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
   assert saved and saved[-1] >= 5
   run_cli(tmp_path, data_dir, *overrides)

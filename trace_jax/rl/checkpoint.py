@@ -1,5 +1,10 @@
-"""Orbax checkpoints of everything a run needs to continue: params, optimizer state, RNG key
-(the state pytree) and step, data position, tokenizer and config (JSON metadata)."""
+"""Orbax checkpoints of everything a run needs to continue: params, optimizer state, RNG key,
+the KL penalty's reference (the state pytree) and step, data position, tokenizer and config
+(JSON metadata).
+
+Orbax writes a checkpoint into a temporary directory and renames it when complete, so a run
+killed during a save leaves the checkpoints before it as they were.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,23 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
+
+  def steps(self) -> list[int]:
+    """Every saved step, newest first."""
+    return sorted(self.manager.all_steps(), reverse=True)
+
+  def path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def set_aside(self, step: int) -> str:
+    """Renames an unreadable checkpoint `<step>.unreadable` (kept for a look, out of the way of
+    the run's next save of that step) -> its new path."""
+    new, n = self.path(step) + ".unreadable", 1
+    while os.path.exists(new):
+      new, n = f"{self.path(step)}.unreadable.{n}", n + 1
+    os.rename(self.path(step), new)
+    self.manager.reload()
+    return new
 
   def save(self, step: int, state, meta: dict) -> None:
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

@@ -47,7 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.clip_eps = 0.2
   c.rl.correction = "none"  # none | tis | mis
   c.rl.correction_cap = 2.0
-  c.rl.kl_coef = 0.0
+  c.rl.kl_coef = 0.0  # KL penalty towards the policy where RL starts (after the warm start)
   c.rl.aux_coef = 1e-3
   c.rl.minibatches = 2
   c.rl.routing_replay = False

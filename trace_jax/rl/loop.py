@@ -2,7 +2,8 @@
 
 `train(config, workdir)` is the whole run; it resumes from the newest checkpoint in `workdir`.
 Every step writes a row of DESIGN section 7 metrics; a step's data and sampling key are functions
-of the step number, so a resumed run continues exactly as an uninterrupted one.
+of the step number, so a resumed run continues exactly as an uninterrupted one. A SIGTERM or
+Ctrl-C stops the run between steps, with a checkpoint of the steps done.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import time
 
 import jax
@@ -30,6 +30,7 @@ from trace_jax.rl.checkpoint import Checkpointer
 from trace_jax.rl.defaults import base_config
 from trace_jax.rl.episodes import episode_length, greedy_accuracy, rollout
 from trace_jax.rl.plots import plot_run
+from trace_jax.rl.preemption import Interrupted, StopBetweenSteps
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
 from trace_jax.rl.trainer import RLOptions, Trainer, make_optimizer, mode_setup
@@ -95,6 +96,17 @@ class Run:
   def place_rollout(self, x):
     return S.place(x, S.batch_shardings(x, self.mesh, S.ROLLOUT_RULES))
 
+  def initial_state(self, reference: bool = False) -> dict:
+    """The state before step 0; with `reference`, shaped as from the first RL step on."""
+    init_key, key = jax.random.split(jax.random.PRNGKey(self.c.seed))
+    state = {**self.trainer.init_state(init_params(self.cfg, init_key)), "key": key}
+    return self.trainer.with_reference(state) if reference else state
+
+  def has_reference(self, step: int) -> bool:
+    """Whether the state after `step` steps holds the KL penalty's reference: the policy where
+    RL starts, so from the first RL step on (not carried through the warm start)."""
+    return self.c.rl.kl_coef > 0 and step > self.c.sft.steps
+
   # -- steps -------------------------------------------------------------------------------
 
   def sft_step(self, state, step):
@@ -107,6 +119,10 @@ class Run:
 
   def rl_step(self, state, step):
     c, g = self.c, self.c.rl.group_size
+    if c.rl.kl_coef > 0 and "ref_params" not in state:
+      # RL starts here, from this policy; placed as a restored state is, so that a resumed run
+      # runs the programs an uninterrupted one compiled
+      state = self.place_state(self.trainer.with_reference(state))
     records = [r for r in self.rl_batches[step - c.sft.steps] for _ in range(g)]
     diag = c.log.flip_rate_every and (step - c.sft.steps) % c.log.flip_rate_every == 0
     engine = self.diag_engine if diag else self.engine
@@ -166,45 +182,67 @@ def saved_config(saved: dict) -> ml_collections.ConfigDict:
   return c
 
 
-class _Preempted(Exception):
-  pass
+def _reason(e: BaseException) -> str:
+  """The first line of the innermost error under `e` (orbax wraps TensorStore's)."""
+  for _ in range(16):  # a chain, not a cycle
+    if (e.__cause__ or e.__context__) is None:
+      break
+    e = e.__cause__ or e.__context__
+  lines = str(e).strip().splitlines() or [""]
+  return f"{type(e).__name__}: {lines[0][:300]}"
 
 
-def _raise_preempted(signum, frame):
-  raise _Preempted(f"signal {signum}")
-
-
-def _open(c, workdir: str, ckpt: Checkpointer, log=print):
-  """The run of `c` in `workdir` and its state: fresh, or from the newest checkpoint."""
-  start = ckpt.latest_step() or 0
-  if start:
-    meta = ckpt.meta(start)
-    _check_same_config(_config_json(saved_config(meta["config"])), _config_json(c), workdir)
-    tokenizer = load_tokenizer_json(meta["tokenizer"])
-  else:
-    tokenizer = CharTokenizer(make_task(c.task).alphabet())
-  run = Run(c, workdir, tokenizer)
-  init_key, key = jax.random.split(jax.random.PRNGKey(c.seed))
-  state = run.trainer.init_state(init_params(run.cfg, init_key))
-  state["key"] = key
-  if start:
-    state, _ = ckpt.restore(start, state)
-    log(f"resumed from step {start} in {ckpt.directory}")
+def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = False):
+  """The run of `c` in `workdir`, its state and step: from the newest checkpoint that can be
+  read, or fresh. Each one that cannot (a truncated file) is reported by name in one line, and
+  with `set_aside` renamed out of the way of the run's next saves."""
+  run, state, start, unreadable = None, None, 0, []
+  for step in ckpt.steps():
+    try:
+      meta = ckpt.meta(step)
+    except Exception as e:  # noqa: BLE001 (orbax raises bare Exceptions for unreadable files)
+      unreadable.append((step, e))
+      continue
+    if run is None:
+      _check_same_config(_config_json(saved_config(meta["config"])), _config_json(c), workdir)
+      run = Run(c, workdir, load_tokenizer_json(meta["tokenizer"]))
+    try:
+      state, _ = ckpt.restore(step, run.initial_state(reference=run.has_reference(step)))
+    except Exception as e:  # noqa: BLE001
+      unreadable.append((step, e))
+      continue
+    start = step
+    break
+  if state is None and unreadable:
+    raise ValueError(f"no checkpoint in {ckpt.directory} can be read: " + "; ".join(
+        f"step {step}: {_reason(e)}" for step, e in unreadable))
+  for step, e in unreadable:
+    log(f"checkpoint {ckpt.path(step)} cannot be read ({_reason(e)}); "
+        + (f"set aside as {ckpt.set_aside(step)}" if set_aside else "skipped"))
+  if state is None:
+    run = Run(c, workdir, CharTokenizer(make_task(c.task).alphabet()))
+    state = run.initial_state()
   return run, run.place_state(state), start
 
 
 def load_run(workdir: str, data_dir: str | None = None):
-  """A finished (or stopped) run and its newest state, e.g. to evaluate or probe its policy.
-  -> (Run, state, step)"""
+  """A finished (or stopped) run and its newest readable state, e.g. to evaluate or probe its
+  policy. -> (Run, state, step)"""
   ckpt = Checkpointer(workdir)
-  step = ckpt.latest_step()
-  if step is None:
-    raise ValueError(f"no checkpoint in {workdir}")
-  c = saved_config(ckpt.meta(step)["config"])
-  if data_dir is not None:
-    c.data_dir = data_dir
   try:
-    return _open(c, workdir, ckpt, log=lambda *_: None)
+    saved = None
+    for step in ckpt.steps():
+      try:
+        saved = ckpt.meta(step)["config"]
+        break
+      except Exception:  # noqa: BLE001 (_open names it)
+        continue
+    if saved is None:
+      raise ValueError(f"no checkpoint in {workdir} can be read")
+    c = saved_config(saved)
+    if data_dir is not None:
+      c.data_dir = data_dir
+    return _open(c, workdir, ckpt)
   finally:
     ckpt.close()
 
@@ -215,7 +253,9 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   validate(c)
   os.makedirs(workdir, exist_ok=True)
   ckpt = Checkpointer(workdir, c.checkpoint.keep)
-  run, state, start = _open(c, workdir, ckpt, log)
+  run, state, start = _open(c, workdir, ckpt, log, set_aside=True)
+  if start:
+    log(f"resumed from step {start} in {ckpt.directory}")
   tokenizer = run.tok
   tokenizer.save(workdir)
   with open(os.path.join(workdir, "config.json"), "w") as fh:
@@ -226,41 +266,44 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   def save(done):
     meta = {"step": done, "data_position": done, "tokenizer": tokenizer.to_json(),
             "config": _config_json(c)}
+    writer.sync()
     ckpt.save(done, state, meta)
 
-  previous = signal.signal(signal.SIGTERM, _raise_preempted)
   bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
              desc=f"{c.rl.mode}", dynamic_ncols=True)
-  step = start
+  done = start  # steps completed: updated, evaluated, checked, logged
   try:
-    for step in bar:
-      phase = "sft" if step < c.sft.steps else "rl"
-      state, metrics = (run.sft_step if phase == "sft" else run.rl_step)(state, step)
-      metrics["phase"] = phase
-      if (step + 1) % c.eval.every == 0 or step + 1 in (c.sft.steps, total):
-        metrics.update(run.evaluate(state["params"]))
-      if not np.isfinite(metrics["train/loss"]):
-        last = ckpt.latest_step()
-        raise FloatingPointError(
-            f"train/loss is {metrics['train/loss']} at step {step} ({phase}, mode {c.rl.mode}); "
-            f"stopping. The last good checkpoint is step {last} in {ckpt.directory}; lower the "
-            f"learning rate or optim.max_grad_norm before resuming.")
-      writer.write(step, metrics)
-      bar.set_postfix(_postfix(metrics), refresh=False)
-      if (step + 1) % c.checkpoint.every == 0 or step + 1 == total:
-        save(step + 1)
-  except (KeyboardInterrupt, _Preempted):
-    done = step  # the step in flight did not finish
-    try:
-      if done > (ckpt.latest_step() or 0):
-        save(done)
-    except (RuntimeError, ValueError):  # the step in flight had taken (donated) the state
-      done = ckpt.latest_step() or 0
-    log(f"interrupted: the newest checkpoint is step {done} in {ckpt.directory}; rerun the "
-        "same command to resume")
+    with StopBetweenSteps() as stop:
+      for step in bar:
+        phase = "sft" if step < c.sft.steps else "rl"
+        state, metrics = (run.sft_step if phase == "sft" else run.rl_step)(state, step)
+        metrics["phase"] = phase
+        if (step + 1) % c.eval.every == 0 or step + 1 in (c.sft.steps, total):
+          metrics.update(run.evaluate(state["params"]))
+        if not np.isfinite(metrics["train/loss"]):
+          last = ckpt.latest_step()
+          raise FloatingPointError(
+              f"train/loss is {metrics['train/loss']} at step {step} ({phase}, mode "
+              f"{c.rl.mode}); stopping. The last good checkpoint is step {last} in "
+              f"{ckpt.directory}; lower the learning rate or optim.max_grad_norm before resuming.")
+        writer.write(step, metrics)
+        done = step + 1
+        bar.set_postfix(_postfix(metrics), refresh=False)
+        if done % c.checkpoint.every == 0 or done == total:
+          save(done)
+        if stop.signum is not None:
+          break
+      if stop.signum is not None and done < total:
+        if done != ckpt.latest_step():
+          save(done)
+        raise Interrupted(stop.signum)
+  except Interrupted as e:
+    newest = ckpt.latest_step()
+    log(f"interrupted by {e}{' twice: stopped at once' if e.at_once else ''}: "
+        + (f"the newest checkpoint is step {newest}" if newest else "no checkpoint yet")
+        + f" in {ckpt.directory}; rerun the same command to resume")
     raise
   finally:
-    signal.signal(signal.SIGTERM, previous)
     bar.close()
     writer.close()
     ckpt.close()

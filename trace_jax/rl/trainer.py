@@ -84,13 +84,16 @@ class Trainer:
     self.cfg, self.setup, self.opt, self.o = cfg, setup, optimizer, options
     self.record_layers = parse_layers(setup.records, cfg.n_layers, what="records")
     self.sft_step = jax.jit(self._sft_step, donate_argnums=(0,))
-    self.rl_step = jax.jit(self._rl_step, donate_argnums=(0,))
+    self._rl_jit = jax.jit(self._rl_step, donate_argnums=(0,))
 
   def init_state(self, params) -> dict:
-    state = {"params": params, "opt_state": self.opt.init(params)}
-    if self.o.kl_coef > 0:  # the reference policy: where RL starts
-      state["ref_params"] = params
-    return state
+    return {"params": params, "opt_state": self.opt.init(params)}
+
+  @staticmethod
+  def with_reference(state) -> dict:
+    """The state with its policy copied as the KL penalty's reference (`ref_params`): buffers
+    of their own, as the policy's are donated to every step."""
+    return {**state, "ref_params": jax.tree.map(jnp.copy, state["params"])}
 
   def _apply(self, state, grads):
     updates, opt_state = self.opt.update(grads, state["opt_state"], state["params"])
@@ -119,17 +122,37 @@ class Trainer:
                      recipe or self.setup.train, records=records, routes=routes,
                      temperature=self.o.temperature)
 
-  def _rl_step(self, state, batch):
+  def rl_step(self, state, batch):
     """batch: tokens, valid, response_mask, logp (the rollout's), advantages [B], records,
     routes. Returns the new state, metrics, and the trainer's pre-update log-probs and routes
-    (for the mismatch metrics)."""
+    (for the mismatch metrics). With rl.kl_coef > 0 the state holds `ref_params`
+    (`with_reference`); they go in as an argument of their own, read by every step and
+    donated to none."""
+    ref_params = state.get("ref_params")
+    if self.o.kl_coef > 0 and ref_params is None:
+      raise ValueError(f"kl_coef={self.o.kl_coef} needs the reference policy in the state "
+                       "(Trainer.with_reference)")
+    policy = {k: v for k, v in state.items() if k != "ref_params"}
+    policy, metrics, old = self._rl_jit(policy, batch, ref_params)
+    if ref_params is not None:
+      policy["ref_params"] = ref_params
+    return policy, metrics, old
+
+  def _reference_logp(self, ref_params, batch):
+    # the reference is a fixed policy computed as itself: the rollout's records and routes
+    # guide the recompute of the policy that made the rollout, not of this one
+    out = recompute(self.cfg, ref_params, batch["tokens"], batch["valid"], self.setup.train,
+                    temperature=self.o.temperature)
+    return jax.lax.stop_gradient(out.logp)
+
+  def _rl_step(self, state, batch, ref_params):
     old = self._forward(state["params"], batch)
     logp_old = jax.lax.stop_gradient(old.logp)
     weights = grpo.rollout_correction(logp_old, batch["logp"], self.o.correction,
                                       self.o.correction_cap)
     extra = {"logp_old": logp_old, "weights": weights}
     if self.o.kl_coef > 0:
-      extra["logp_ref"] = jax.lax.stop_gradient(self._forward(state["ref_params"], batch).logp)
+      extra["logp_ref"] = self._reference_logp(ref_params, batch)
     mbs = _split(dict(batch, **extra), self.o.minibatches)
 
     def mb_step(state, mb):

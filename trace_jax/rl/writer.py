@@ -18,6 +18,22 @@ def _plain(v):
   return v if math.isfinite(v) else None  # JSON has no NaN or Inf
 
 
+def _rows(path: str, text: str) -> list[tuple[str, dict]]:
+  """(line, row) pairs of a metrics file's text; a last line without its newline is a row a kill
+  cut short: dropped."""
+  lines = text.splitlines(keepends=True)
+  if lines and not lines[-1].endswith("\n"):
+    lines.pop()
+  out = []
+  for i, line in enumerate(lines):
+    if line.strip():
+      try:
+        out.append((line, json.loads(line)))
+      except json.JSONDecodeError:
+        raise ValueError(f"{path} line {i + 1} is not a JSON row: {line[:80]!r}") from None
+  return out
+
+
 class MetricsWriter:
   """Appends one JSON object per step. Started at `start_step`, it first drops lines of later
   steps (written after the checkpoint the run resumes from), so the file reads as if the run
@@ -27,9 +43,15 @@ class MetricsWriter:
     self.path = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(self.path):
       with open(self.path) as fh:
-        keep = [line for line in fh if line.strip() and json.loads(line)["step"] < start_step]
-      with open(self.path, "w") as fh:
-        fh.writelines(keep)
+        old = fh.read()
+      keep = "".join(line for line, row in _rows(self.path, old) if row["step"] < start_step)
+      if keep != old:  # a new file replaces the old whole: a kill here leaves one or the other
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+          fh.write(keep)
+          fh.flush()
+          os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
     self._fh = open(self.path, "a")
     self._tb = None
     if tensorboard:
@@ -46,6 +68,12 @@ class MetricsWriter:
           self._tb.add_scalar(k, v, step)
     return row
 
+  def sync(self) -> None:
+    """To disk: called before a checkpoint is saved, so no checkpoint counts a row the disk
+    has not got, even if the machine goes down."""
+    self._fh.flush()
+    os.fsync(self._fh.fileno())
+
   def close(self) -> None:
     self._fh.close()
     if self._tb is not None:
@@ -53,5 +81,6 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as fh:
-    return [json.loads(line) for line in fh if line.strip()]
+  path = os.path.join(workdir, "metrics.jsonl")
+  with open(path) as fh:
+    return [row for _, row in _rows(path, fh.read())]

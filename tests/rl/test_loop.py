@@ -1,0 +1,142 @@
+"""The run loop under stops and with a KL penalty: a SIGTERM or Ctrl-C at any point, or an
+unreadable newest checkpoint, and the rerun's metrics equal an uninterrupted run's; the KL
+penalty's reference is the policy where RL starts."""
+
+import os
+import shutil
+import signal
+
+import jax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from tests.test_main import comparable, data_dir, smoke  # noqa: F401 (data_dir: a fixture)
+from trace_jax.rl.checkpoint import Checkpointer
+from trace_jax.rl.loop import Interrupted, Run, train
+from trace_jax.rl.writer import MetricsWriter, read_metrics
+
+# smoke sizes: 3 warm-start steps, then 4 RL steps (steps 3-6); evaluations after steps 2, 5
+# and 6; checkpoints at 2, 4, 6 and 7 (the newest two kept)
+SFT, TOTAL = 3, 7
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_once(tmp_path_factory):
+  """Every run here compiles the same programs: JAX's persistent cache compiles them once."""
+  saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                           "jax_persistent_cache_min_compile_time_secs")}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  compilation_cache.reset_cache()
+  yield
+  for k, v in saved.items():
+    jax.config.update(k, v)
+  compilation_cache.reset_cache()
+
+
+def config(data_dir):
+  # bf16: the policy's recompute and the reference's are the same program; one minibatch: the
+  # first RL step's loss is taken at the reference itself
+  return smoke(data_dir, "bf16", "rl.kl_coef=0.1", "rl.minibatches=1", "log.flip_rate_every=0")
+
+
+def quiet(*_):
+  pass
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("uninterrupted"))
+  train(config(data_dir), workdir, progress=False, log=quiet)
+  return workdir, read_metrics(workdir)
+
+
+def test_the_kl_penalty_starts_at_the_policy_where_rl_starts(uninterrupted):
+  rows = uninterrupted[1]
+  assert [r["step"] for r in rows] == list(range(TOTAL))
+  kl = [r["train/kl_ref"] for r in rows if r["phase"] == "rl"]
+  assert abs(kl[0]) < 1e-7, kl  # the first RL step's policy is the reference
+  assert 1e-5 < kl[1] < kl[2] < kl[3], kl  # and moves away from it
+
+
+def kill_self(signum=signal.SIGTERM):
+  os.kill(os.getpid(), signum)
+
+
+def during_evaluation(monkeypatch, signum):
+  evaluate = Run.evaluate
+  def killed(self, params):
+    monkeypatch.undo()
+    kill_self(signum)
+    return evaluate(self, params)
+  monkeypatch.setattr(Run, "evaluate", killed)
+  return SFT  # the first evaluation follows the last warm-start step: RL has not started
+
+
+def during_a_save(monkeypatch, signum):
+  save = Checkpointer.save
+  def killed(self, step, state, meta):
+    if step == 4:
+      monkeypatch.undo()
+      kill_self(signum)
+    return save(self, step, state, meta)
+  monkeypatch.setattr(Checkpointer, "save", killed)
+  return 4
+
+
+def between_steps(monkeypatch, signum):
+  write = MetricsWriter.write
+  def killed(self, step, metrics):
+    row = write(self, step, metrics)
+    if step == 4:  # step 4 is done and logged; step 5 has not started
+      monkeypatch.undo()
+      kill_self(signum)
+    return row
+  monkeypatch.setattr(MetricsWriter, "write", killed)
+  return 5
+
+
+@pytest.mark.parametrize("stop,signum", [
+    (during_evaluation, signal.SIGTERM), (during_a_save, signal.SIGTERM),
+    (between_steps, signal.SIGTERM), (between_steps, signal.SIGINT)],
+    ids=["evaluation", "save", "between_steps", "between_steps_ctrl_c"])
+def test_a_stop_anywhere_resumes_as_if_never_stopped(stop, signum, uninterrupted, data_dir,
+                                                     tmp_path, monkeypatch):
+  c, workdir, messages = config(data_dir), str(tmp_path), []
+  saved = stop(monkeypatch, signum)
+  with pytest.raises(Interrupted):
+    train(c, workdir, progress=False, log=messages.append)
+  assert f"the newest checkpoint is step {saved}" in messages[-1]
+  assert [r["step"] for r in read_metrics(workdir)] == list(range(saved))
+  train(c, workdir, progress=False, log=messages.append)
+  assert f"resumed from step {saved}" in "\n".join(messages)
+  assert comparable(read_metrics(workdir)) == comparable(uninterrupted[1])
+
+
+def truncate_largest_file(directory):
+  files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
+  largest = max(files, key=os.path.getsize)
+  with open(largest, "r+b") as fh:
+    fh.truncate(os.path.getsize(largest) // 2)
+
+
+def test_an_unreadable_newest_checkpoint_is_named_and_the_one_before_resumes(
+    uninterrupted, data_dir, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(uninterrupted[0], workdir)
+  newest = os.path.join(workdir, "checkpoints", str(TOTAL))
+  truncate_largest_file(newest)
+  messages = []
+  train(config(data_dir), workdir, progress=False, log=messages.append)
+  unreadable = [m for m in messages if "cannot be read" in m]
+  assert len(unreadable) == 1 and newest in unreadable[0] and "\n" not in unreadable[0]
+  assert f"resumed from step {TOTAL - 1}" in "\n".join(messages)
+  assert comparable(read_metrics(workdir)) == comparable(uninterrupted[1])
+  assert os.path.isdir(newest + ".unreadable")  # set aside, not deleted
+
+  # with no checkpoint left to read, the run stops rather than starting over
+  for step in (TOTAL - 1, TOTAL):
+    truncate_largest_file(os.path.join(workdir, "checkpoints", str(step)))
+  with pytest.raises(ValueError, match=r"no checkpoint in .* can be read"):
+    train(config(data_dir), workdir, progress=False, log=quiet)
+  assert all(os.path.isdir(os.path.join(workdir, "checkpoints", str(s))) for s in (TOTAL - 1, TOTAL))
