@@ -6,7 +6,6 @@ import os
 import secrets
 import signal
 import socket
-import threading
 import time
 
 import pytest
@@ -83,7 +82,8 @@ def test_fork_bombs_stop_at_the_process_limit():
   r = run_python("import os\nwhile True:\n  os.fork()", FAST)  # the hook refuses it at once
   assert r.returncode != 0 and "os.fork is not allowed" in r.stderr
   r = run_python("import threading, time\n"
-                 "ts = [threading.Thread(target=time.sleep, args=(5,)) for _ in range(50)]\n"
+                 "ts = [threading.Thread(target=time.sleep, args=(5,), daemon=True)\n"
+                 "      for _ in range(50)]\n"
                  "[t.start() for t in ts]", KERNEL)
   assert r.returncode != 0 and "can't start new thread" in r.stderr
 
@@ -134,23 +134,14 @@ def test_no_network():
   server = socket.socket()
   server.bind(("127.0.0.1", 0))
   server.listen(1)
-  server.settimeout(3)
   port = server.getsockname()[1]
-  accepted = []
-
-  def accept():
-    try:
-      accepted.append(server.accept())
-    except OSError:  # the timeout: nothing came
-      pass
-
-  thread = threading.Thread(target=accept, daemon=True)
-  thread.start()
   r = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
                  KERNEL)
-  thread.join(timeout=4)
+  server.setblocking(False)  # a connection that got through would be waiting in the backlog
+  with pytest.raises(BlockingIOError):
+    server.accept()
   server.close()
-  assert r.returncode != 0 and not accepted and "OSError" in r.stderr
+  assert r.returncode != 0 and "OSError" in r.stderr
 
 
 def test_the_trainer_is_out_of_sight_and_out_of_reach(monkeypatch):
@@ -202,3 +193,80 @@ def test_output_is_read_through_the_parents_pipes_with_a_cap():
     r = run_python(code, KERNEL)
     assert r.stdout.strip() in ("done", "") and "root:" not in r.stdout, code
     assert time.time() - start < 4
+
+
+DRIVER = r"""
+import json, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trace_jax.tasks import sandbox
+out = {"uid": os.getuid()}
+try:
+  where = sandbox.require()
+except sandbox.BoundaryUnavailable as e:
+  out["refused"] = str(e)
+  where = sandbox.require(allow_unsandboxed=True)
+else:
+  out["setpriv"], out["seccomp"] = where.setpriv, bool(where.seccomp)
+  code = ("import os, signal\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n"
+          "  print(open(f'/proc/{pid}/environ').read())\n"
+          "for pid in (%d, %d):\n  for hit in (lambda: os.kill(pid, 9), lambda: "
+          "signal.pidfd_send_signal(os.pidfd_open(pid), 9)):\n    try:\n      hit()\n"
+          "    except ProcessLookupError:\n      print('unreachable')\n") % (os.getpid(), PARENT)
+  r = sandbox.run_python(code, sandbox.Limits(audit_hook=False))
+  out["program"] = [r.returncode, r.stdout, r.stderr]
+allow = "refused" in out
+honest = sandbox.Submission("def f(x):\n  return x + 1\n", "assert candidate(1) == 2\n", "f")
+forged = sandbox.Submission("import os\nos._exit(0)\n", "assert candidate(1) == 2\n", "f")
+out["verdicts"] = [v.status for v in sandbox.run_batch([honest, forged], allow_unsandboxed=allow)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the suite itself runs as an ordinary user here")
+def test_an_ordinary_users_trainer_is_out_of_reach_too(tmp_path):
+  """The trainer as `nobody` (with a system Python of our version, which nobody can run):
+  bwrap in an unprivileged user namespace, or, where the kernel allows none, the refusal."""
+  import importlib.util
+  import json
+  import shutil
+  import subprocess
+  import sys
+  import tempfile
+
+  python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+  if not os.path.exists(python):
+    pytest.skip(f"no {python} that nobody may run")
+  here = tempfile.mkdtemp()
+  try:
+    package = os.path.join(here, "trace_jax", "tasks", "sandbox")
+    os.makedirs(package)
+    for init in ("trace_jax", "trace_jax/tasks"):  # the sandbox alone, standard library only
+      open(os.path.join(here, init, "__init__.py"), "w").close()
+    source = os.path.dirname(importlib.util.find_spec("trace_jax.tasks.sandbox").origin)
+    for name in ("__init__.py", "kernel.py", "harness.py"):
+      shutil.copy(os.path.join(source, name), package)
+    seccomp = importlib.util.find_spec("pyseccomp")
+    if seccomp:
+      shutil.copy(seccomp.origin, here)
+    with open(os.path.join(here, "driver.py"), "w") as fh:
+      fh.write(DRIVER.replace("PARENT", str(os.getpid())))
+    for root, dirs, files in os.walk(here):
+      for name in dirs + files + [""]:
+        os.chmod(os.path.join(root, name), 0o755)
+    secret = secrets.token_hex(8)
+    done = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I",
+         os.path.join(here, "driver.py")], cwd=here, capture_output=True, text=True,
+        env={"PATH": "/usr/bin:/bin", "TRAINER_SECRET": secret}, timeout=120)
+  finally:
+    shutil.rmtree(here)
+  assert done.returncode == 0, done.stderr
+  out = json.loads(done.stdout.splitlines()[-1])
+  assert out["uid"] == 65534 and out["verdicts"] == ["passed", "failed: EOFError: the "
+                                                     "solution's process ended"]
+  if "refused" in out:  # no unprivileged user namespaces: the one-line refusal instead
+    assert "untrusted programs refused" in out["refused"] and "\n" not in out["refused"]
+    return
+  assert out["setpriv"] is None and out["seccomp"] == bool(seccomp)
+  rc, stdout, stderr = out["program"]
+  assert rc == 0 and secret not in stdout and stdout.count("unreachable") == 4, stderr

@@ -59,10 +59,10 @@ with open(HARNESS, "rb") as _fh:
 @dataclasses.dataclass(frozen=True)
 class Limits:
   timeout_s: float = 10.0  # wall clock for the whole sandbox
-  memory_mb: int = 1024  # address space of each process
+  memory_mb: int = 512  # address space of each process
   file_mb: int = 16  # the largest file it may write
   disk_mb: int = 64  # its tmpfs, all files together
-  processes: int = 4  # processes and threads it may start beyond its own
+  processes: int = 2  # processes and threads it may start beyond its own (each gets memory_mb)
   output_bytes: int = 20_000  # how much of stdout and of stderr comes back
   audit_hook: bool = True  # the in-process layer (a convenience: obvious attempts fail early)
 
@@ -139,6 +139,10 @@ def _spawn(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | 
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, pass_fds=child_fds, cwd=cwd, env=env,
                             start_new_session=True)
+  except BaseException:
+    if verdict_r is not None:
+      os.close(verdict_r)
+    raise
   finally:
     for fd in child_fds:
       os.close(fd)
@@ -147,18 +151,20 @@ def _spawn(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | 
   caps = dict.fromkeys(streams, limits.output_bytes)
   if verdict_r is not None:
     streams[verdict_r], caps[verdict_r] = bytearray(), 4096
-  timed_out = _read(streams, caps, limits.timeout_s)
   try:
-    os.killpg(proc.pid, signal.SIGKILL)  # bwrap (its namespace dies with it), or the session
-  except (ProcessLookupError, PermissionError):
-    pass
-  proc.wait()
-  proc.stdout.close()
-  proc.stderr.close()
-  if verdict_r is not None:
-    os.close(verdict_r)
-  if workdir:
-    shutil.rmtree(workdir, ignore_errors=True)
+    timed_out = _read(streams, caps, limits.timeout_s)
+  finally:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)  # bwrap (its namespace dies with it), or the session
+    except (ProcessLookupError, PermissionError):
+      pass
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    if verdict_r is not None:
+      os.close(verdict_r)
+    if workdir:
+      shutil.rmtree(workdir, ignore_errors=True)
   return (proc.returncode, bytes(streams[out_fd]), bytes(streams[err_fd]),
           bytes(streams[verdict_r]) if verdict_r is not None else b"", timed_out)
 

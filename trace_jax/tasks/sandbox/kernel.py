@@ -204,15 +204,23 @@ def _probe() -> Boundary:
   from trace_jax.tasks.sandbox import Limits, run_with
 
   bwrap, seccomp = _install_bwrap(), _seccomp_filter()
+  if seccomp is None:
+    print("sandbox: no seccomp filter (pyseccomp or libseccomp is missing); namespaces and "
+          "rlimits only", file=sys.stderr)
   failures = []
   for candidate in _candidates(bwrap, seccomp):
-    result = run_with(candidate, PROBE, Limits(timeout_s=20.0, audit_hook=False))
-    fields = result.stdout.split()
-    want_seccomp = "2" if seccomp else "0"
-    if result.returncode == 0 and fields == [str(NOBODY), "1", want_seccomp, "0" * 16]:
-      return candidate
-    failures.append((result.stderr.strip().splitlines() or [result.stdout.strip()])[-1:])
-  raise BoundaryUnavailable(f"bwrap cannot set up the sandbox here ({failures[-1][0]!r}); "
+    for where in (candidate, dataclasses.replace(candidate, seccomp=None)):
+      result = run_with(where, PROBE, Limits(timeout_s=20.0, audit_hook=False))
+      want = [str(NOBODY), "1", "2" if where.seccomp else "0", "0" * 16]
+      if result.returncode == 0 and result.stdout.split() == want:
+        if where.seccomp != seccomp:
+          print(f"sandbox: the kernel refused the seccomp filter ({failures[-1]}); namespaces "
+                "and rlimits only", file=sys.stderr)
+        return where
+      failures.append((result.stderr.strip().splitlines() or [result.stdout.strip()])[-1])
+      if where.seccomp is None:
+        break
+  raise BoundaryUnavailable(f"bwrap cannot set up the sandbox here ({failures[-1]!r}); "
                             "unprivileged user namespaces may be disabled")
 
 
