@@ -8,16 +8,19 @@ interpreter bound read-only, nothing else of the host's files; a /proc of its ow
 privileges, no nested user namespaces; a seccomp filter (where libseccomp is present) refusing
 ptrace and other processes' memory, mounts, keyrings, bpf, io_uring, SysV shared memory, memfd
 and non-Unix sockets; rlimits on each process's address space, CPU time, file size, open files
-and on the number of processes and threads; an environment of PATH, LANG and HOME only. Each
-program gets its own sandbox, gone when its first process exits; at the deadline the parent
-kills bwrap, whose pid namespace dies with it, setsid'd grandchildren included. A root trainer's
-sandbox runs as `nobody` outside its namespaces too.
+and on the number of processes and threads; an environment of PATH, LANG, HOME and PWD only.
+Each program gets its own sandbox, gone when its first process exits; at the deadline the
+parent kills bwrap, whose pid namespace dies with it, setsid'd grandchildren included. A root
+trainer's sandbox runs as `nobody` outside its namespaces too. Not bounded: memory across a
+sandbox's processes (each has its own limit; there is no cgroup), and what the kernel itself
+lets through (an exploit escapes any namespace).
 
-Verdicts (`run_tests`): a solution and its tests never share a process. Inside the sandbox the
-harness forks before any untrusted code runs; the solution's process runs the program and
-answers calls to its entry point over a pipe; the judge's process, which no untrusted code
-runs in and which the solution cannot read (non-dumpable, ptrace refused), runs the trusted
-tests with `candidate` calling across that pipe (built-in values only come back: an object
+Verdicts (`run_tests`): a solution and its tests never share a process (a harness in the
+program's interpreter can always be read or hijacked by it: frames, gc, trace functions, threads
+that outlive it). Inside the sandbox the harness forks before any untrusted code runs; the
+solution's process runs the program and answers calls to its entry point over a pipe; the
+judge's process, which no untrusted code runs in and which the solution cannot read
+(non-dumpable, ptrace refused), runs the trusted tests with `candidate` calling across that pipe (built-in values only come back: an object
 whose `__eq__` always says yes cannot cross). Only the judge holds the verdict pipe, and only
 after the fork does it read the tests and a random per-run marker; it writes `<marker> passed`
 when the tests ran to completion. The parent reads the verdict, stdout and stderr through the

@@ -167,7 +167,8 @@ def _audit_hook(event, args):
 def _tests(job: dict, verdict_fd: int, judge_fd: int) -> None:
   import ctypes
 
-  if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0):  # PR_SET_DUMPABLE 0, inherited by the fork below
+  prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux; elsewhere there is no boundary
+  if prctl and prctl(4, 0, 0, 0, 0):  # PR_SET_DUMPABLE 0, inherited by the fork below
     raise OSError("prctl(PR_SET_DUMPABLE) failed")
   to_solution_r, to_solution_w = os.pipe()
   to_judge_r, to_judge_w = os.pipe()
