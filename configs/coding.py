@@ -5,9 +5,10 @@
 
 Prompts like `f(0)=7,f(1)=10,f(2)=13:`; the policy writes the body (`3*x+7`; the families are
 a*x+b, a*x-b and x*x+a), which runs as
-`def f(x): return (3*x+7)` against hidden tests in a sandboxed subprocess (time and memory
-limits, no network, no writes outside a throwaway directory); reward 1 when all pass. Same
-policy size and schedule as configs/reasoning.py. Variants and keys as there.
+`def f(x): return (3*x+7)` against hidden tests, each program in a bubblewrap sandbox of its
+own (trace_jax.tasks.sandbox; without one the run stops at start-up unless
+task.coding.allow_unsandboxed=true); reward 1 when all pass. Same policy size and schedule as
+configs/reasoning.py. Variants and keys as there.
 """
 
 from trace_jax.rl.defaults import VARIANTS, config

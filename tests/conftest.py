@@ -1,10 +1,46 @@
-"""Test-wide setup: 8 fake CPU devices for the sharding tests (set before JAX starts)."""
+"""Test-wide setup: 8 fake CPU devices for the sharding tests (set before JAX starts), and the
+sandbox's boundary for the tests that run untrusted programs."""
 
 import os
 import sys
+
+import pytest
 
 if "jax" not in sys.modules:
   _flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+
+
+def _boundary_or_why():
+  from trace_jax.tasks import sandbox
+
+  try:
+    return sandbox.boundary(), None
+  except sandbox.BoundaryUnavailable as e:
+    return None, str(e)
+
+
+def _boundary_expected() -> bool:
+  """On Linux as root the project installs bubblewrap itself: no boundary there is a bug."""
+  return sys.platform.startswith("linux") and os.geteuid() == 0
+
+
+@pytest.fixture(scope="session")
+def kernel_boundary():
+  """The sandbox's kernel boundary, for tests about it: where none can be had they fail on a
+  Linux root machine (CI) and skip elsewhere, where the opt-in path is tested instead."""
+  found, why = _boundary_or_why()
+  if found is None:
+    if _boundary_expected():
+      pytest.fail(f"no sandbox boundary on a Linux root machine: {why}")
+    pytest.skip(f"no sandbox boundary here: {why}")
+  return found
+
+
+@pytest.fixture(scope="session")
+def allow_unsandboxed() -> bool:
+  """For tests that run programs but are not about the boundary: opt in to running without one
+  only where none can be had and none is expected."""
+  return _boundary_or_why()[0] is None and not _boundary_expected()

@@ -86,8 +86,9 @@ def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
 # masked) are checked in tests/tasks/test_long_horizon.py, the run loop by the reasoning runs
 @pytest.mark.parametrize("config", [coding, pytest.param(long_horizon, marks=pytest.mark.slow)],
                          ids=["coding", "long_horizon"])
-def test_the_other_families_run(config, data_dir, tmp_path):
-  c = smoke(data_dir, "trace", config=config)
+def test_the_other_families_run(config, data_dir, tmp_path, allow_unsandboxed):
+  c = smoke(data_dir, "trace", f"task.coding.allow_unsandboxed={allow_unsandboxed}",
+            config=config)
   summary = train(c, str(tmp_path), progress=False, log=lambda *_: None)
   rows = read_metrics(str(tmp_path))
   rl = [r for r in rows if r["phase"] == "rl"]

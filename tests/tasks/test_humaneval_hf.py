@@ -18,7 +18,7 @@ def test_truncate_at_stop_sequences():
   assert evaluate_humaneval.truncate(body) == body
 
 
-def test_humaneval_from_a_tiny_hf_checkpoint(tmp_path):
+def test_humaneval_from_a_tiny_hf_checkpoint(tmp_path, allow_unsandboxed):
   texts = [p["prompt"] + p["canonical_solution"] for p in humaneval_problems()[:40]]
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -35,7 +35,8 @@ def test_humaneval_from_a_tiny_hf_checkpoint(tmp_path):
   tok.save(str(tmp_path / "tokenizer.json"))
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
   result = evaluate_humaneval.evaluate(str(tmp_path), precision="mxfp4", limit=3,
-                                       max_new_tokens=12, batch=2)
+                                       max_new_tokens=12, batch=2,
+                                       allow_unsandboxed=allow_unsandboxed)
   assert result["n"] == 3 and len(result["results"]) == 3
   assert result["pass@1"] == 0.0  # a random policy writes no working code
   assert all(isinstance(r["completion"], str) for r in result["results"])

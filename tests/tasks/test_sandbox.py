@@ -1,58 +1,129 @@
-"""The sandbox against hostile programs: the trainer (this process) must come out unharmed."""
+"""The sandbox's kernel boundary against hostile programs: this process (the trainer) and the
+host come out unharmed. Most programs run with the audit hook off (KERNEL), so what holds them
+is the kernel's boundary, not the in-process layer."""
 
 import os
+import secrets
+import signal
 import socket
-import threading
 import time
 
 import pytest
 
-from trace_jax.tasks.sandbox import Limits, run_batch, run_python
+from trace_jax.tasks.sandbox import Limits, run_python
 
-FAST = Limits(timeout_s=3.0, memory_mb=256)
+FAST = Limits(timeout_s=5.0, memory_mb=256)
+KERNEL = Limits(timeout_s=5.0, memory_mb=256, audit_hook=False)
+
+
+@pytest.fixture(autouse=True)
+def _boundary(kernel_boundary):
+  return kernel_boundary
+
+
+def processes_with(token: str) -> list[int]:
+  """Host processes whose command line holds `token` (the tests run where they see them all)."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        if token.encode() in fh.read():
+          found.append(int(pid))
+    except OSError:
+      pass
+  return found
 
 
 def test_a_normal_program_runs_and_its_output_comes_back():
   r = run_python("import math\nprint(math.factorial(5))", FAST)
-  assert r.ok and r.stdout.strip() == "120"
+  assert r.returncode == 0 and r.stdout.strip() == "120" and not r.timed_out
+
+
+def test_the_probe_found_the_boundary_whole(kernel_boundary):
+  assert kernel_boundary.bwrap
+  if os.geteuid() == 0:  # a root trainer's programs are nobody outside their namespaces too
+    assert kernel_boundary.setpriv
+  r = run_python("import os\nprint(os.getpid(), os.getuid(), sorted(os.environ))", KERNEL)
+  assert r.stdout.split(None, 2) == ["2", "65534", "['HOME', 'LANG', 'PATH', 'PWD']\n"]
 
 
 def test_infinite_loop_is_killed_at_the_deadline():
   start = time.time()
   r = run_python("while True:\n  pass", Limits(timeout_s=1.0))
-  assert r.timed_out and not r.ok and time.time() - start < 5
+  assert r.timed_out and r.returncode is None and time.time() - start < 4
 
 
-def test_fork_bomb_and_subprocesses_are_refused():
-  r = run_python("import os\nwhile True:\n  os.fork()", FAST)
-  assert not r.ok and "os.fork is not allowed" in r.stderr
-  r = run_python("import subprocess\nsubprocess.run(['sh', '-c', 'echo hi'])", FAST)
-  assert not r.ok and "not allowed" in r.stderr
-  r = run_python("import os\nos.system('echo hi')", FAST)
-  assert not r.ok and "os.system is not allowed" in r.stderr
+def test_setsid_grandchildren_die_at_the_deadline_and_at_exit():
+  """A shell in its own session (`_posixsubprocess.fork_exec`, which Popen calls and no audit
+  hook sees) outlived the old sandbox's killpg; a pid namespace takes all its processes along."""
+  for ends in ("while True:\n  pass", "pass"):  # killed at the deadline / the program exits
+    token = f"sleep 300{secrets.randbelow(10**6)}"
+    code = (f"import subprocess\nsubprocess.Popen(['/bin/sh', '-c', '{token}'], "
+            f"start_new_session=True)\nprint('spawned', flush=True)\n{ends}\n")
+    r = run_python(code, Limits(timeout_s=1.5, audit_hook=False))
+    assert "spawned" in r.stdout, r.stderr
+    time.sleep(0.2)
+    assert processes_with(token) == []
+
+
+def test_fork_bombs_stop_at_the_process_limit():
+  start = time.time()
+  r = run_python("import os, time\nn = 0\ntry:\n  while True:\n    if not os.fork():\n"
+                 "      time.sleep(60)\n    n += 1\nexcept OSError as e:\n"
+                 "  print(n, e.errno, flush=True)\nwhile True:\n  try:\n    os.fork()\n"
+                 "  except OSError:\n    pass\n", Limits(timeout_s=2.0, audit_hook=False))
+  started, errno_ = map(int, r.stdout.split())
+  assert r.timed_out and errno_ == 11 and started <= Limits().processes  # EAGAIN
+  assert time.time() - start < 6
+  r = run_python("import os\nwhile True:\n  os.fork()", FAST)  # the hook refuses it at once
+  assert r.returncode != 0 and "os.fork is not allowed" in r.stderr
+  r = run_python("import threading, time\n"
+                 "ts = [threading.Thread(target=time.sleep, args=(5,), daemon=True)\n"
+                 "      for _ in range(50)]\n"
+                 "[t.start() for t in ts]", KERNEL)
+  assert r.returncode != 0 and "can't start new thread" in r.stderr
 
 
 def test_memory_hog_gets_memory_error():
-  r = run_python("x = bytearray(4 * 1024**3)", FAST)
-  assert not r.ok and "MemoryError" in r.stderr
+  r = run_python("x = bytearray(4 * 1024**3)", KERNEL)
+  assert r.returncode != 0 and "MemoryError" in r.stderr
 
 
-def test_writes_outside_the_working_directory_are_refused(tmp_path):
+def test_the_host_filesystem_is_out_of_reach(tmp_path):
   target = tmp_path / "owned.txt"
+  (tmp_path / "keep.txt").write_text("mine")
   for code in [f"open({str(target)!r}, 'w').write('x')",
-               f"import os\nos.rename('a', {str(target)!r})",
-               "import shutil\nshutil.rmtree('/tmp')",
-               "import os\nos.remove('/etc/hostname')"]:
-    r = run_python(code, FAST)
-    assert not r.ok and "outside the working directory" in r.stderr, code
-  assert not target.exists() and os.path.exists("/etc/hostname")
-  r = run_python("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())", FAST)
-  assert r.ok and r.stdout.strip() == "ok"
+               f"import os\nos.remove({str(tmp_path / 'keep.txt')!r})",
+               "open('/usr/owned', 'w')",
+               "import os\nos.chdir('/usr')\nopen('owned', 'w')",  # relative, after a chdir
+               "import os\nfd = os.open('/usr', os.O_RDONLY)\n"  # a dir_fd the hook never saw
+               "os.open('owned', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+               "import os\nos.symlink('/usr/owned', 'link')\nopen('link', 'w')",
+               "import os\nos.mknod('/tmp/null', 0o666 | 0o020000, os.makedev(1, 3))"]:
+    r = run_python(code, KERNEL)
+    assert r.returncode != 0 and "Error" in r.stderr, code
+  assert not target.exists() and (tmp_path / "keep.txt").read_text() == "mine"
+  assert not os.path.exists("/usr/owned")
 
 
-def test_the_working_directory_is_thrown_away():
-  r = run_python("import os\nprint(os.getcwd())", FAST)
-  assert r.ok and not os.path.exists(r.stdout.strip())
+def test_its_tmp_is_private_and_thrown_away():
+  name = f"sandbox_{secrets.token_hex(6)}"
+  r = run_python(f"import os\nos.chdir('/tmp')\nopen({name!r}, 'w').write('x')\n"
+                 f"os.mkfifo('/tmp/fifo')\nimport _posixshmem\n"
+                 f"os.close(_posixshmem.shm_open('/{name}', os.O_CREAT | os.O_RDWR, 0o600))\n"
+                 "print(sorted(os.listdir('/tmp')), os.getcwd())", KERNEL)
+  assert r.returncode == 0 and r.stdout.split() == [f"['fifo',", f"'{name}']", "/tmp"], r.stderr
+  assert not os.path.exists(f"/tmp/{name}") and not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_disk_fills_stop_at_the_tmpfs_size():
+  """512 MB written in 3 s got through the old sandbox; the tmpfs holds `disk_mb`."""
+  r = run_python("n = 0\ntry:\n  for i in range(64):\n    with open(f'f{i}', 'wb') as fh:\n"
+                 "      for _ in range(8):\n        fh.write(bytes(1 << 20))\n        n += 1\n"
+                 "except OSError as e:\n  print(n, e.errno)\n",
+                 Limits(timeout_s=10.0, disk_mb=32, audit_hook=False))
+  written, errno_ = map(int, r.stdout.split())
+  assert errno_ == 28 and written <= 32  # ENOSPC
 
 
 def test_no_network():
@@ -60,44 +131,139 @@ def test_no_network():
   server.bind(("127.0.0.1", 0))
   server.listen(1)
   port = server.getsockname()[1]
-  accepted = []
-  thread = threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True)
-  thread.start()
   r = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
-                 FAST)
-  thread.join(timeout=1)
+                 KERNEL)
+  server.setblocking(False)  # a connection that got through would be waiting in the backlog
+  with pytest.raises(BlockingIOError):
+    server.accept()
   server.close()
-  assert not r.ok and not accepted and "not allowed" in r.stderr
+  # refused by seccomp (no AF_INET), or nobody listening on the sandbox's own loopback
+  assert r.returncode != 0 and ("OSError" in r.stderr or "ConnectionRefusedError" in r.stderr)
 
 
-def test_attempts_to_kill_the_parent_fail():
-  for code in ["import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
-               "import os, signal\nos.killpg(0, signal.SIGKILL)",
-               "import ctypes\nctypes.CDLL(None).kill(0, 9)"]:
-    r = run_python(code, FAST)
-    assert not r.ok and "not allowed" in r.stderr, code
-  assert os.getpid() > 0  # still here
+def test_the_trainer_is_out_of_sight_and_out_of_reach(monkeypatch):
+  """Its /proc entries (environment included) and signals: pid, pidfd and process group."""
+  secret = secrets.token_hex(8)
+  monkeypatch.setenv("TRAINER_SECRET", secret)
+  me = os.getpid()
+  code = (f"import os, signal\nseen = []\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n"
+          f"  seen.append(open(f'/proc/{{pid}}/environ', 'rb').read())\nprint(seen, os.environ)\n"
+          f"for attempt in (lambda: os.kill({me}, signal.SIGKILL),\n"
+          f"                lambda: signal.pidfd_send_signal(os.pidfd_open({me}), 9),\n"
+          f"                lambda: open('/proc/{me}/environ').read(),\n"
+          f"                lambda: os.kill(os.getppid(), signal.SIGKILL)):\n"  # its pid 1
+          f"  try:\n    attempt()\n    print('sent')\n  except OSError as e:\n"
+          f"    print(type(e).__name__)\n")
+  r = run_python(code, KERNEL)
+  assert secret not in r.stdout + r.stderr
+  assert r.stdout.split()[-4:] == ["ProcessLookupError", "ProcessLookupError",
+                                   "FileNotFoundError", "sent"], r.stdout + r.stderr
+  for code in ["import os\nos.kill(-1, 9)", "import os\nos.killpg(0, 9)"]:
+    run_python(code, KERNEL)  # every process it may signal: its sandbox's
+  assert os.getpid() == me  # still here: kill(-1) reached nothing outside the sandbox
 
 
-def test_output_flood_is_cut():
-  r = run_python("while True:\n  print('x' * 10000)", Limits(timeout_s=5.0, file_mb=1))
-  assert not r.ok and len(r.stdout) <= Limits().output_bytes
+def test_the_audit_hook_can_be_disabled_and_the_kernel_still_holds(tmp_path):
+  """The hook is a convenience: a program switches it off through `__main__`'s globals or
+  the hook's code object, and then meets the kernel."""
+  for off in ["import sys\nsys.modules['__main__']._DENIED = frozenset()\n"
+              "sys.modules['__main__'].__dict__['_audit_hook'].__code__ = "
+              "(lambda e, a: None).__code__\n",
+              "import gc\nfor f in gc.get_objects():\n"
+              "  if getattr(f, '__name__', '') == '_audit_hook':\n"
+              "    f.__code__ = (lambda e, a: None).__code__\n"]:
+    r = run_python(off + f"import os\nprint(os.fork() and 'forked')\n"
+                   f"os.system('echo x > {tmp_path}/owned; echo shell ran')\n", FAST)
+    assert "forked" in r.stdout and "shell ran" in r.stdout, r.stderr
+  assert not (tmp_path / "owned").exists()
 
 
-def test_batch_mode_isolates_failures():
-  results = run_batch(["assert 1 + 1 == 2", "while True:\n  pass", "assert 1 == 2",
-                       "x = bytearray(8 * 1024**3)", "import os\nos.fork()",
-                       "print('x' * 10**6)\nassert True", "raise SystemExit(0)"], 0.5)
-  assert results[0] == "passed" and results[1] == "timed out"
-  assert results[2].startswith("failed: AssertionError")
-  assert results[3].startswith("failed: MemoryError")
-  assert "os.fork is not allowed" in results[4]
-  assert results[5] == "passed"
-  assert results[6].startswith("failed: SystemExit")
-  assert run_batch([]) == []
+def test_output_is_read_through_the_parents_pipes_with_a_cap():
+  r = run_python("while True:\n  print('x' * 10000)", Limits(timeout_s=2.0))
+  assert r.timed_out and len(r.stdout) == Limits().output_bytes
+  # the old sandbox reopened stdout by path: a FIFO there hung it, a symlink read root's files
+  for code in ["import os\nos.remove('/tmp/stdout') if os.path.exists('/tmp/stdout') else 0\n"
+               "os.mkfifo('/tmp/stdout')\nprint('done')",
+               "import os\nos.symlink('/etc/shadow', '/tmp/stdout')\nprint('done')",
+               "import os\nos.close(1)\nos.close(2)"]:
+    start = time.time()
+    r = run_python(code, KERNEL)
+    assert r.stdout.strip() in ("done", "") and "root:" not in r.stdout, code
+    assert time.time() - start < 4
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="privilege drop and network namespace need root")
-def test_as_root_the_child_runs_as_nobody():
-  r = run_python("import os\nprint(os.getuid())", FAST)
-  assert r.ok and r.stdout.strip() == "65534"
+DRIVER = r"""
+import json, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trace_jax.tasks import sandbox
+out = {"uid": os.getuid()}
+try:
+  where = sandbox.require()
+except sandbox.BoundaryUnavailable as e:
+  out["refused"] = str(e)
+  where = sandbox.require(allow_unsandboxed=True)
+else:
+  out["setpriv"], out["seccomp"] = where.setpriv, bool(where.seccomp)
+  code = ("import os, signal\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n"
+          "  print(open(f'/proc/{pid}/environ').read())\n"
+          "for pid in (%d, %d):\n  for hit in (lambda: os.kill(pid, 9), lambda: "
+          "signal.pidfd_send_signal(os.pidfd_open(pid), 9)):\n    try:\n      hit()\n"
+          "    except ProcessLookupError:\n      print('unreachable')\n") % (os.getpid(), PARENT)
+  r = sandbox.run_python(code, sandbox.Limits(audit_hook=False))
+  out["program"] = [r.returncode, r.stdout, r.stderr]
+allow = "refused" in out
+honest = sandbox.Submission("def f(x):\n  return x + 1\n", "assert candidate(1) == 2\n", "f")
+forged = sandbox.Submission("import os\nos._exit(0)\n", "assert candidate(1) == 2\n", "f")
+out["verdicts"] = [v.status for v in sandbox.run_batch([honest, forged], allow_unsandboxed=allow)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the suite itself runs as an ordinary user here")
+def test_an_ordinary_users_trainer_is_out_of_reach_too(tmp_path):
+  """The trainer as `nobody` (with a system Python of our version, which nobody can run):
+  bwrap in an unprivileged user namespace, or, where the kernel allows none, the refusal."""
+  import importlib.util
+  import json
+  import shutil
+  import subprocess
+  import sys
+  import tempfile
+
+  python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+  if not os.path.exists(python):
+    pytest.skip(f"no {python} that nobody may run")
+  here = tempfile.mkdtemp()
+  try:
+    package = os.path.join(here, "trace_jax", "tasks", "sandbox")
+    os.makedirs(package)
+    for init in ("trace_jax", "trace_jax/tasks"):  # the sandbox alone, standard library only
+      open(os.path.join(here, init, "__init__.py"), "w").close()
+    source = os.path.dirname(importlib.util.find_spec("trace_jax.tasks.sandbox").origin)
+    for name in ("__init__.py", "kernel.py", "harness.py"):
+      shutil.copy(os.path.join(source, name), package)
+    seccomp = importlib.util.find_spec("pyseccomp")
+    if seccomp:
+      shutil.copy(seccomp.origin, here)
+    with open(os.path.join(here, "driver.py"), "w") as fh:
+      fh.write(DRIVER.replace("PARENT", str(os.getpid())))
+    for root, dirs, files in os.walk(here):
+      for name in dirs + files + [""]:
+        os.chmod(os.path.join(root, name), 0o755)
+    secret = secrets.token_hex(8)
+    done = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I",
+         os.path.join(here, "driver.py")], cwd=here, capture_output=True, text=True,
+        env={"PATH": "/usr/bin:/bin", "TRAINER_SECRET": secret}, timeout=120)
+  finally:
+    shutil.rmtree(here)
+  assert done.returncode == 0, done.stderr
+  out = json.loads(done.stdout.splitlines()[-1])
+  assert out["uid"] == 65534 and out["verdicts"] == ["passed", "failed: EOFError: the "
+                                                     "solution's process ended"]
+  if "refused" in out:  # no unprivileged user namespaces: the one-line refusal instead
+    assert "untrusted programs refused" in out["refused"] and "\n" not in out["refused"]
+    return
+  assert out["setpriv"] is None and out["seccomp"] == bool(seccomp)
+  rc, stdout, stderr = out["program"]
+  assert rc == 0 and secret not in stdout and stdout.count("unreachable") == 4, stderr

@@ -22,8 +22,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.reasoning = ml_collections.ConfigDict(dict(
       dataset="chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=2,
       prompt_style="compact"))  # compact: "7+5="; question: the generator's full text
+  # allow_unsandboxed: run the policy's programs even where no kernel sandbox can be had
+  # (trace_jax.tasks.sandbox); without it such a run stops at start-up, saying why
   c.task.coding = ml_collections.ConfigDict(dict(families="linear,affine_neg,quadratic",
-                                                 timeout_s=1.0))
+                                                 timeout_s=1.0, allow_unsandboxed=False))
   c.task.long_horizon = ml_collections.ConfigDict(dict(turns=32, modulus=10))
   c.max_prompt_len = 8  # tokens; prompts are left-padded to it
 

@@ -27,7 +27,8 @@ def make_task(t: ml_collections.ConfigDict):
                          eval_size=t.eval_size, prompt_style=r.prompt_style)
   if t.family == "coding":
     return FunctionSynthesisTask(families=t.coding.families, train_size=t.train_size,
-                                 eval_size=t.eval_size, timeout_s=t.coding.timeout_s)
+                                 eval_size=t.eval_size, timeout_s=t.coding.timeout_s,
+                                 allow_unsandboxed=t.coding.allow_unsandboxed)
   return RunningSumTask(turns=t.long_horizon.turns, modulus=t.long_horizon.modulus,
                         train_size=t.train_size, eval_size=t.eval_size)
 

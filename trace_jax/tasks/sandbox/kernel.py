@@ -1,0 +1,242 @@
+"""The kernel boundary around untrusted programs: bubblewrap, seccomp, and a check that it holds.
+
+`boundary()` finds `bwrap` (installing Debian's `bubblewrap` with apt-get when the trainer runs
+as root and it is missing), compiles the seccomp filter, picks the interpreter and the user the
+sandbox runs as, and runs one probe program through all of it; the outcome is kept for the
+process. `require()` is what the coding tasks call at start-up: the boundary, or one line saying
+why there is none and how to run without one on purpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+NOBODY = 65534
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+HARNESS_INSIDE = "/sandbox/harness.py"  # where the sandbox sees it (a read-only copy)
+OPT_IN = "task.coding.allow_unsandboxed=true (evaluate_humaneval: --allow_unsandboxed)"
+
+# Syscalls a Python program has no use for that widen what it can reach: other processes'
+# memory and descriptors, namespaces and mounts, kernel surfaces with a history of escapes
+# (bpf, io_uring, userfaultfd, perf, keyrings), and memory outside every file-size limit
+# (SysV shared memory, memfd). They fail with EPERM; sockets other than AF_UNIX fail too.
+DENIED_SYSCALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree", "move_mount",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
+    "io_uring_register", "keyctl", "add_key", "request_key", "personality", "modify_ldt",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
+    "swapon", "swapoff", "syslog", "acct", "quotactl", "open_by_handle_at",
+    "name_to_handle_at", "lookup_dcookie", "uselib", "vhangup", "iopl", "ioperm",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "fanotify_init",
+    "shmget", "memfd_create")
+
+
+class BoundaryUnavailable(RuntimeError):
+  """No kernel boundary can be had here; the message is one line saying why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+  bwrap: str | None  # None: no kernel boundary (the user opted in to running without one)
+  python: str  # the interpreter that runs inside
+  binds: tuple[str, ...]  # host directories it needs, bound read-only (beyond /usr)
+  setpriv: str | None  # for a root trainer: setpriv, to start bwrap as nobody; None: as us
+  seccomp: bytes | None  # the compiled filter; None where no libseccomp binding is present
+
+  def command(self, harness_fd: int, seccomp_fd: int | None, disk_mb: int) -> list[str]:
+    """bwrap's arguments up to the interpreter's."""
+    args = [self.setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+            "--"] if self.setpriv else []
+    args += [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--uid", str(NOBODY),
+            "--gid", str(NOBODY), "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+      path = "/" + name
+      if os.path.islink(path):
+        args += ["--symlink", os.readlink(path), path]
+      elif os.path.isdir(path):
+        args += ["--ro-bind", path, path]
+    for path in self.binds:
+      args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(8 << 20), "--tmpfs", "/dev/shm",
+             "--remount-ro", "/dev", "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
+             "--chdir", "/tmp", "--ro-bind-data", str(harness_fd), HARNESS_INSIDE,
+             "--remount-ro", "/", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
+             "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/tmp"]
+    if seccomp_fd is not None:
+      args += ["--seccomp", str(seccomp_fd)]
+    return args + ["--", self.python, "-I", "-S", HARNESS_INSIDE]
+
+
+UNSANDBOXED = Boundary(bwrap=None, python=sys.executable, binds=(), setpriv=None, seccomp=None)
+
+
+def _install_bwrap() -> str:
+  """bwrap's path, installing Debian's bubblewrap first where we are root and have apt-get."""
+  found = shutil.which("bwrap") or shutil.which("bwrap", path="/usr/bin:/bin")
+  if found:
+    return found
+  if os.geteuid() != 0 or not shutil.which("apt-get"):
+    raise BoundaryUnavailable("bubblewrap (bwrap) is not installed, and installing it needs "
+                              "root and apt-get")
+  print("sandbox: installing bubblewrap (apt-get install bubblewrap) for the boundary around "
+        "untrusted programs", file=sys.stderr)
+  env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+  install = ["apt-get", "install", "-y", "-q", "--no-install-recommends",
+             "-o", "DPkg::Lock::Timeout=120", "bubblewrap"]
+  if subprocess.run(install, env=env, capture_output=True).returncode:
+    subprocess.run(["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=120"], env=env,
+                   capture_output=True)  # a fresh machine's package lists may be stale
+    done = subprocess.run(install, env=env, capture_output=True, text=True)
+    if done.returncode:
+      last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+      raise BoundaryUnavailable(f"apt-get install bubblewrap failed: {last}")
+  found = shutil.which("bwrap", path="/usr/bin:/bin")
+  if not found:
+    raise BoundaryUnavailable("apt-get installed bubblewrap but no bwrap is on /usr/bin")
+  return found
+
+
+def _seccomp_filter() -> bytes | None:
+  """The BPF program bwrap loads, compiled by libseccomp (through pyseccomp); None without it."""
+  try:
+    import pyseccomp as sc
+  except (ImportError, RuntimeError):  # RuntimeError: the package is there, libseccomp is not
+    return None
+  import termios
+
+  f = sc.SyscallFilter(sc.ALLOW)
+  for name in DENIED_SYSCALLS:
+    if sc.resolve_syscall(sc.Arch.NATIVE, name) >= 0:  # not every syscall exists everywhere
+      f.add_rule(sc.ERRNO(errno.EPERM), name)
+  f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+  f.add_rule(sc.ERRNO(errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, termios.TIOCSTI))
+  with tempfile.TemporaryFile() as fh:
+    f.export_bpf(fh)
+    fh.seek(0)
+    return fh.read()
+
+
+def _world_readable(path: str) -> bool:
+  """Whether any user reaches `path`: o+x on every directory above it, o+rx on it."""
+  path = os.path.realpath(path)
+  parents = [os.path.dirname(path)]
+  while parents[-1] != os.path.dirname(parents[-1]):
+    parents.append(os.path.dirname(parents[-1]))
+  return (all(os.stat(d).st_mode & 0o001 for d in parents)
+          and os.stat(path).st_mode & 0o005 == 0o005)
+
+
+def _interpreters():
+  """(python, binds) to try: ours (its base, not a virtualenv's: the programs need only the
+  standard library, and -S keeps site-packages out), then system ones of the same version."""
+  version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+  ours = os.path.join(sys.base_prefix, "bin", version)
+  ours = os.path.realpath(ours if os.path.exists(ours) else sys.executable)
+  prefix = os.path.realpath(sys.base_prefix)
+  yield ours, () if prefix.startswith("/usr/") or prefix == "/usr" else (prefix,)
+  for other in (f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
+    if os.path.exists(other) and os.path.realpath(other).startswith("/usr/"):
+      yield os.path.realpath(other), ()
+
+
+def _candidates(bwrap: str, seccomp: bytes | None):
+  """Boundaries to probe, best first. A root trainer's sandbox runs as nobody outside its
+  namespaces too (util-linux's setpriv switches before bwrap starts, so the trainer still
+  spawns with vfork), with an interpreter nobody can read; failing that, as root."""
+  found = list(_interpreters())
+  setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
+  if os.geteuid() == 0 and setpriv:
+    for python, binds in found:
+      if all(_world_readable(p) for p in (python, *binds)):
+        yield Boundary(bwrap, python, binds, setpriv, seccomp)
+        break
+  yield Boundary(bwrap, found[0][0], found[0][1], None, seccomp)
+
+
+PROBE = r"""
+import os
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+assert pids == [1, 2], f"processes outside the sandbox are visible: {pids}"
+devices = [line.split(":")[0].strip() for line in open("/proc/net/dev") if ":" in line]
+assert devices == ["lo"], f"network devices {devices}"
+for path in ("/probe", "/usr/probe", "/dev/probe"):
+  try:
+    open(path, "w")
+  except OSError:
+    continue
+  raise AssertionError(f"{path} is writable")
+open("/tmp/probe", "w").write("ok")
+status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines())
+print(os.getuid(), status["NoNewPrivs"].strip(), status["Seccomp"].strip(), status["CapEff"])
+"""
+
+_lock = threading.Lock()
+_outcome: list = []  # [Boundary] or [BoundaryUnavailable], once probed
+
+
+def boundary() -> Boundary:
+  """The boundary this machine gives, probed once per process; raises BoundaryUnavailable."""
+  with _lock:
+    if not _outcome:
+      try:
+        _outcome.append(_probe())
+      except BoundaryUnavailable as e:
+        _outcome.append(e)
+    if isinstance(_outcome[0], BoundaryUnavailable):
+      raise _outcome[0]
+    return _outcome[0]
+
+
+def _probe() -> Boundary:
+  if not sys.platform.startswith("linux"):
+    raise BoundaryUnavailable(f"the boundary needs Linux namespaces; this is {sys.platform}")
+  from trace_jax.tasks.sandbox import Limits, run_with
+
+  bwrap, seccomp = _install_bwrap(), _seccomp_filter()
+  if seccomp is None:
+    print("sandbox: no seccomp filter (pyseccomp or libseccomp is missing); namespaces and "
+          "rlimits only", file=sys.stderr)
+  failures = []
+  for candidate in _candidates(bwrap, seccomp):
+    for where in (candidate, dataclasses.replace(candidate, seccomp=None)):
+      result = run_with(where, PROBE, Limits(timeout_s=20.0, audit_hook=False))
+      want = [str(NOBODY), "1", "2" if where.seccomp else "0", "0" * 16]
+      if result.returncode == 0 and result.stdout.split() == want:
+        if where.seccomp != seccomp:
+          print(f"sandbox: the kernel refused the seccomp filter ({failures[-1]}); namespaces "
+                "and rlimits only", file=sys.stderr)
+        return where
+      failures.append((result.stderr.strip().splitlines() or [result.stdout.strip()])[-1])
+      if where.seccomp is None:
+        break
+  raise BoundaryUnavailable(f"bwrap cannot set up the sandbox here ({failures[-1]!r}); "
+                            "unprivileged user namespaces may be disabled")
+
+
+_warned: list = []
+
+
+def require(allow_unsandboxed: bool = False) -> Boundary:
+  """The boundary, or UNSANDBOXED where there is none and the user allowed it."""
+  try:
+    return boundary()
+  except BoundaryUnavailable as e:
+    if not allow_unsandboxed:
+      raise BoundaryUnavailable(f"untrusted programs refused: no sandbox boundary: {e}; install "
+                                f"bubblewrap, or run them without one with {OPT_IN}") from None
+    if not _warned:
+      _warned.append(True)
+      print(f"sandbox: no boundary ({e}); running untrusted programs with process limits only, "
+            "as allowed", file=sys.stderr)
+    return UNSANDBOXED
