@@ -18,6 +18,30 @@ def test_char_tokenizer_round_trip_and_save(tmp_path):
     tok.encode("1x")
 
 
+def test_run_tokenizer_json_is_a_hugging_face_tokenizer(tmp_path):
+  """The tokenizer.json a run writes loads with `tokenizers` and `transformers`, which give the
+  run's own ids for any text of its alphabet (spaces and newlines too) and decode them back;
+  <pad>, <bos> and <eos> are its special tokens 0, 1, 2."""
+  tokenizers = pytest.importorskip("tokenizers")
+  transformers = pytest.importorskip("transformers")
+  tok = CharTokenizer("0123456789+=;> \nxy()*-")
+  path = tok.save(str(tmp_path))
+  hf = tokenizers.Tokenizer.from_file(path)
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+  rng = np.random.default_rng(0)
+  alphabet = tok.vocab[3:]
+  for _ in range(50):
+    text = "".join(rng.choice(alphabet, size=rng.integers(1, 40)))
+    ids = tok.encode(text)
+    assert hf.encode(text, add_special_tokens=False).ids == ids
+    assert fast.encode(text, add_special_tokens=False) == ids
+    assert hf.decode(ids) == text and fast.decode(ids) == text
+  assert [hf.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>")] == [0, 1, 2]
+  assert hf.decode([1, *tok.encode("1+2"), 2, 0]) == "1+2"  # specials skipped
+  again = load_tokenizer(str(tmp_path))
+  assert isinstance(again, CharTokenizer) and again.vocab == tok.vocab
+
+
 def test_hf_tokenizer_file(tmp_path):
   tokenizers = pytest.importorskip("tokenizers")
   model = tokenizers.models.WordLevel({"<eos>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]")

@@ -1,5 +1,7 @@
 """Tokenizers: a small offline character tokenizer saved with each checkpoint, and Hugging Face
-`tokenizer.json` files for imported checkpoints. Both read and write `tokenizer.json`."""
+`tokenizer.json` files for imported checkpoints. Both read and write `tokenizer.json` in the
+Hugging Face format (the character one as a `tokenizers` WordLevel model over single
+characters), so a run's tokenizer loads with `tokenizers` and `transformers` too."""
 
 from __future__ import annotations
 
@@ -56,13 +58,39 @@ class CharTokenizer:
     return "".join(out)
 
   def to_json(self) -> dict:
+    """The compact form checkpoints carry in their metadata (`load_tokenizer_json`)."""
     return {"type": self.kind, "vocab": self.vocab}
 
+  def hf_tokenizer(self):
+    """The same vocabulary as a `tokenizers.Tokenizer`: every character its own pre-token
+    (newlines and spaces too), looked up in a WordLevel model; <pad>, <bos>, <eos> its special
+    tokens; decoding concatenates."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(self.vocab)}, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([PAD, BOS, EOS])
+    return tok
+
   def save(self, directory: str) -> str:
+    """Writes directory/tokenizer.json in the Hugging Face format (`hf_tokenizer`)."""
     path = os.path.join(directory, "tokenizer.json")
-    with open(path, "w") as fh:
-      json.dump(self.to_json(), fh)
+    self.hf_tokenizer().save(path)
     return path
+
+  @classmethod
+  def from_hf_json(cls, raw: dict) -> CharTokenizer | None:
+    """The character tokenizer a Hugging Face tokenizer.json holds, or None where it holds
+    another kind (a WordLevel model over <pad>, <bos>, <eos> and single characters)."""
+    model = raw.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "WordLevel" or not isinstance(vocab, dict):
+      return None
+    order = sorted(vocab, key=vocab.get)
+    if order[:3] != [PAD, BOS, EOS] or any(len(t) != 1 for t in order[3:]):
+      return None
+    return load_tokenizer_json({"type": cls.kind, "vocab": order})
 
 
 class HFTokenizer:
@@ -71,7 +99,7 @@ class HFTokenizer:
   kind = "hf"
 
   def __init__(self, path: str, eos_token: str | None = None, pad_token: str | None = None):
-    from tokenizers import Tokenizer  # only imported checkpoints need the tokenizers package
+    from tokenizers import Tokenizer
 
     self._tok = Tokenizer.from_file(path)
     self._path = path
@@ -116,8 +144,11 @@ def load_tokenizer(directory: str):
     raise ValueError(f"no tokenizer.json in {directory}")
   with open(path) as fh:
     raw = json.load(fh)
-  if raw.get("type") == CharTokenizer.kind:
+  if raw.get("type") == CharTokenizer.kind:  # written before runs saved the HF format
     return load_tokenizer_json(raw)
+  char = CharTokenizer.from_hf_json(raw)
+  if char is not None:
+    return char
   config = {}
   cfg_path = os.path.join(directory, "tokenizer_config.json")
   if os.path.exists(cfg_path):

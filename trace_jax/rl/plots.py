@@ -1,16 +1,15 @@
-"""Curves of a run, drawn from its metrics.jsonl (matplotlib, no display needed)."""
+"""Curves of a run, drawn from its metrics.jsonl (matplotlib's Agg canvas, without pyplot:
+no display needed, and no backend chosen for the program that imports this)."""
 
 from __future__ import annotations
 
 import os
 
-import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from trace_jax.rl.writer import read_metrics  # noqa: E402
+from trace_jax.rl.writer import read_metrics
 
 PANELS = [("reward/mean", "train reward", False), ("eval/accuracy", "eval accuracy", False),
           ("mismatch/kl_k3", "mismatch KL (k3)", True), ("mismatch/flip_rate", "flip rate", False)]
@@ -19,7 +18,9 @@ PANELS = [("reward/mean", "train reward", False), ("eval/accuracy", "eval accura
 def plot_run(workdir: str, title: str = "") -> str:
   """Writes <workdir>/curves.png: reward, eval accuracy, mismatch KL and flip rate vs step."""
   rows = read_metrics(workdir)
-  fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
+  fig = Figure(figsize=(4 * len(PANELS), 3.2))
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(1, len(PANELS))
   rl_start = next((r["step"] for r in rows if r.get("phase") == "rl"), None)
   for ax, (key, label, log) in zip(axes, PANELS):
     if rl_start is not None:  # where the warm start ends and RL begins
@@ -40,5 +41,4 @@ def plot_run(workdir: str, title: str = "") -> str:
   fig.tight_layout()
   path = os.path.join(workdir, "curves.png")
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return path
