@@ -13,21 +13,13 @@ import jax.numpy as jnp
 
 from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.decode_attention import kernel, reference
+from pallas_kernels.decode_attention.cache import cache_arrays, cache_format, default_splits
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
 BACKENDS = ("triton", "mosaic")  # the Pallas lowering of the "pallas" path
 MIN_ROWS = 16  # the smallest matrix-instruction tile: query heads per kv head are padded to a
 # power of two of at least this many rows
-
-
-def default_splits(programs: int, blocks: int, target: int = 4 * 132) -> int:
-  """Sequence splits that give each of the H200's 132 multiprocessors several programs (powers
-  of two dividing the blocks of slots, at most 64)."""
-  splits = 1
-  while programs * splits < target and blocks % (splits * 2) == 0 and splits < 64:
-    splits *= 2
-  return splits
 
 
 def _pow2(n: int) -> int:
@@ -39,18 +31,6 @@ def supports(slots: int, head_dim: int, block_s: int) -> bool:
   the query rows are padded to one, head_dim and block_s must be one)."""
   return (block_s >= 16 and _pow2(block_s) == block_s and slots % block_s == 0
           and head_dim >= 32 and _pow2(head_dim) == head_dim)
-
-
-def cache_format(c) -> str:
-  """A cache's format name: "bf16" for an array, else its `QArray`'s."""
-  return c.fmt.name if isinstance(c, QArray) else "bf16"
-
-
-def _cache_arrays(c):
-  fmt = cache_format(c)
-  if fmt == "bf16":
-    return fmt, (c.astype(jnp.bfloat16),)
-  return fmt, (c.codes, c.scales) + ((c.global_scale,) if fmt == "nvfp4" else ())
 
 
 @reference_vjp(reference.decode_attention)
@@ -90,7 +70,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
     raise ValueError(f"the pallas kernel needs the cache's {s} slots divisible by block_s "
                      f"({block_s}, a power of two >= 16) and head_dim ({dh}) a power of two "
                      ">= 32 (the Triton lowering's tiles are powers of two)")
-  (fmt, k_arrays), (_, v_arrays) = _cache_arrays(k), _cache_arrays(v)
+  (fmt, k_arrays), (_, v_arrays) = cache_arrays(k), cache_arrays(v)
   g = h // kv
   rows = max(_pow2(g), MIN_ROWS)
   q = q_BxHxDh.astype(jnp.bfloat16).reshape(b, kv, g, dh)

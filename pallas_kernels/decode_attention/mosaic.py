@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.decode_attention import kernel
+from pallas_kernels.decode_attention.cache import cache_arrays, cache_format, default_splits
 from pallas_kernels.decode_attention.kernel import _MASKED
 from pallas_kernels.fp4_matmul.mosaic import _decode_asm, _load, _scale_row
 
@@ -271,10 +272,9 @@ def supports(kv_heads: int, head_dim: int, group: int, fmt: str, slots: int = BL
 
 def _slot_rows(cache, b, s):
   """A cache (bf16 [B, S, Kv, Dh] or a packed `QArray`) -> the Triton kernel's arrays
-  (`api._cache_arrays`) as this kernel's [B, S, bytes a slot]; NVFP4's float32 globals as their
-  four bytes each."""
-  from pallas_kernels.decode_attention import api
-  fmt, arrays = api._cache_arrays(cache)
+  (`cache.cache_arrays`) as this kernel's [B, S, bytes a slot]; NVFP4's float32 globals as
+  their four bytes each."""
+  fmt, arrays = cache_arrays(cache)
   if fmt == "nvfp4":
     arrays = (*arrays[:2], jax.lax.bitcast_convert_type(arrays[2].astype(jnp.float32), jnp.uint8))
   return tuple(a.reshape(b, s, -1) for a in arrays)
@@ -285,10 +285,9 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
   """`api.decode_attention`'s "pallas" path on the wgmma kernel (compiled Hopper only): q
   [B, H, Dh], caches [B, S, Kv, Dh] (bf16, or MXFP4 / NVFP4 `QArray`s along head_dim), mask
   [B, S] -> [B, H, Dh] bf16. Inputs are checked by the caller (`api`)."""
-  from pallas_kernels.decode_attention import api
   b, h, dh = q_BxHxDh.shape
   s, kv = k.shape[1], k.shape[2]
-  fmt = api.cache_format(k)
+  fmt = cache_format(k)
   g = h // kv
   why = unsupported(kv, dh, g, fmt, s)
   if why:
@@ -297,7 +296,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
   if fmt != "bf16":  # head_dim in [even | odd] order, the order of the decoded nibbles
     q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
   q_t = jnp.swapaxes(jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - g), (0, 0))), -1, -2)
-  splits = splits or api.default_splits(b * kv, s // BLOCK_S)
+  splits = splits or default_splits(b * kv, s // BLOCK_S)
   if (s // BLOCK_S) % splits:
     raise ValueError(f"splits ({splits}) must divide the {s // BLOCK_S} blocks of {BLOCK_S} "
                      "slots")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.fp4_matmul import kernel, mosaic, reference
 from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
+from pallas_kernels.fp4_matmul.tiling import default_splits, tile_rows
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -27,17 +28,6 @@ GEMV_MAX_ROWS = 0
 def _check_impl(implementation: str) -> None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-
-
-def default_splits(m_tiles: int, n_tiles: int, k_steps: int, programs: int = 4 * 132,
-                   max_splits: int = 16) -> int:
-  """K splits that give each of the H200's 132 multiprocessors several programs (powers of two
-  dividing the K steps, at most max_splits): decode-sized M leaves too few tiles otherwise."""
-  splits = 1
-  while (m_tiles * n_tiles * splits < programs and k_steps % (splits * 2) == 0
-         and splits < max_splits):
-    splits *= 2
-  return splits
 
 
 def _rows(x):
@@ -144,34 +134,6 @@ def _check_grouped(name, x, w_shape, group_sizes):
   if x.ndim != 2 or x.shape[-1] != k or group_sizes.shape != (e,):
     raise ValueError(f"{name} takes x [T, {k}] and group_sizes [{e}] for weights {w_shape}, "
                      f"got x {x.shape} and group_sizes {group_sizes.shape}")
-
-
-def tile_rows(group_sizes, t: int, block_m: int):
-  """Where T rows sorted by expert go when each group is padded to whole block_m-row tiles (at
-  most ceil(T / block_m) + E tiles, a static bound):
-  (src [tiles x block_m]: each padded row's source row, T (out of range) where it holds none;
-  tile_expert [tiles + 1]: each tile's expert, then the number of tiles in use;
-  dest [T]: each row's place among the padded rows, out of range past sum(group_sizes), so that
-  reading an output back with mode="fill" gives those rows zeros)."""
-  e = group_sizes.shape[0]
-  sizes = group_sizes.astype(jnp.int32)
-  tiles = -(-sizes // block_m)
-  tile_end = jnp.cumsum(tiles)
-  n_tiles = -(-t // block_m) + e  # static bound on sum(tiles)
-  row_end = jnp.cumsum(sizes)
-  rows_i = jnp.arange(t, dtype=jnp.int32)
-  expert_of_row = jnp.minimum(jnp.searchsorted(row_end, rows_i, side="right"), e - 1)
-  dest = (tile_end - tiles)[expert_of_row] * block_m + rows_i - (row_end - sizes)[expert_of_row]
-  dest = jnp.where(rows_i < row_end[-1], dest, n_tiles * block_m)
-  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"),
-                            e - 1).astype(jnp.int32)
-  slot = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
-  slot_expert = tile_expert[slot // block_m]
-  offset = slot - (tile_end - tiles)[slot_expert] * block_m
-  used = (offset < sizes[slot_expert]) & (slot // block_m < tile_end[-1])
-  src = jnp.where(used, (row_end - sizes)[slot_expert] + offset, t)
-  # the table's last entry: the tiles in use; the kernels skip the rest (zeros)
-  return src, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest
 
 
 def _group_tiles(x, group_sizes, block_m):

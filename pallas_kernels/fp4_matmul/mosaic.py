@@ -41,6 +41,7 @@ import numpy as np
 from pallas_kernels.fp4_matmul.kernel import (E2M1_NV_PAIR_ASM, E2M1_PAIR_ASM, e2m1_bf16,
                                               e4m3_f32)
 from pallas_kernels.fp4_matmul.layout import CHUNK, ROWS, TiledFP4
+from pallas_kernels.fp4_matmul.tiling import default_splits, tile_rows
 
 TOKEN_GROUP = 32  # tokens (wgmma N) an accumulator: bf16 rows of 64 bytes, K steps of 32
 MAX_M = 256  # tokens a dense call multiplies at once (accumulators: M / 2 registers a thread)
@@ -426,7 +427,6 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
   kernel (compiled Hopper only): each group padded to 16-token tiles, each tile against its
   expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero."""
-  from pallas_kernels.fp4_matmul import api
   _check_tiled(w, True, "grouped_fp4_matmul")
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
@@ -435,14 +435,14 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   block_k2, stages = pipeline(16, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps)
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
-  src, tile_expert, dest = api.tile_rows(group_sizes, x.shape[0], 16)
+  src, tile_expert, dest = tile_rows(group_sizes, x.shape[0], 16)
   # x^T in a pass of its own (a tiled transpose), then the padded rows gathered as its columns:
   # gathered and transposed in one fused pass, x's rows were read across the transpose (46 us
   # for 2048 rows of 2048 features on the H200; split this way, the decode step's kernel time
   # fell by 0.7% and its throughput did not move, BENCHMARKS.md)
   xt = jax.lax.optimization_barrier(x.astype(jnp.bfloat16).T)
   xt = jnp.take(xt, src, axis=1, mode="fill", fill_value=0)  # [K, 16 x tiles]
-  splits = splits or api.default_splits(xt.shape[1] // 16, n // ROWS, (k // 2) // block_k2,
+  splits = splits or default_splits(xt.shape[1] // 16, n // ROWS, (k // 2) // block_k2,
                                         programs=2 * 132, max_splits=8)
   partials = grouped_fp4_wgmma_partials(
       xt[0::2], xt[1::2], w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt,
@@ -476,8 +476,7 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
   block_k2, stages = pipeline(rows, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps)
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
-  from pallas_kernels.fp4_matmul import api
-  splits = splits or api.default_splits(1, n // ROWS, (k // 2) // block_k2, programs=2 * 132,
+  splits = splits or default_splits(1, n // ROWS, (k // 2) // block_k2, programs=2 * 132,
                                         max_splits=8)
 
   def call(xc):  # -> y^T [N, tokens] in bf16
@@ -495,10 +494,9 @@ def bf16_matmul(x: jax.Array, w_t: jax.Array, *, block_n: int = 64, block_k: int
                 splits: int | None = None, max_concurrent_steps: int = 4) -> jax.Array:
   """x [..., K] @ w_t.T -> [..., N] bf16 for a K-major bf16 weight w_t [N, K], by the wgmma
   kernel (compiled Hopper only)."""
-  from pallas_kernels.fp4_matmul import api
   n, k = w_t.shape
   x2, m, lead = _tokens(x)
-  splits = splits or api.default_splits(1, n // block_n, k // block_k, programs=2 * 132,
+  splits = splits or default_splits(1, n // block_n, k // block_k, programs=2 * 132,
                                         max_splits=8)
   partials = bf16_wgmma_partials(x2.T, w_t, block_n=block_n, block_k=block_k, splits=splits,
                                  max_concurrent_steps=max_concurrent_steps)

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 import numpy as np
 
-from pallas_kernels.fp4_matmul import reference
+from pallas_kernels.fp4_matmul import reference, tiling
 from pallas_kernels.fp4_matmul.mosaic import _load, _store, _transposed, available
 from pallas_kernels.fp4_matmul.w4a4_layout import (ACT_SHIFT, BLOCK, CHUNK_K, DECODE_ASM, ROWS,
                                                    WEIGHT_SHIFT, TiledW4, activation_e4m3,
@@ -202,8 +202,7 @@ def pipeline(m: int, k: int, block_k: int | None = None,
 def default_splits(m: int, n: int, k_steps: int) -> int:
   """K splits, as measured best on the H200: enough for four blocks of the grid per
   multiprocessor up to 32 tokens, two past them (their partial sums cost a pass each)."""
-  from pallas_kernels.fp4_matmul import api
-  return api.default_splits(1, n // ROWS, k_steps, programs=(4 if m <= 32 else 2) * 132,
+  return tiling.default_splits(1, n // ROWS, k_steps, programs=(4 if m <= 32 else 2) * 132,
                             max_splits=8)
 
 
@@ -287,7 +286,6 @@ def w4a4_matmul(xq: QArray, w: TiledW4, *, block_k: int | None = None,
   -> [M, N] bf16, on FP8 tensor cores (compiled Hopper only); calls of up to 64 tokens.
   exact_path: where the activation has blocks the fold cannot hold, compute the call by XLA's
   dequantize-then-dot instead (False: skip the check; such blocks are then rounded)."""
-  from pallas_kernels.fp4_matmul import api
   _check(w, False, "w4a4_matmul")
   k, n = w.shape
   if xq.shape[-1] != k:
@@ -331,7 +329,6 @@ def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
   """The MoE expert matmul on FP8 tensor cores: xq [T, K] (MXFP4, rows sorted by expert) @
   W[e] -> [T, N] bf16 for per-expert weights in the W4A4 layout; rows past sum(group_sizes)
   come out zero. exact_path as in `w4a4_matmul`."""
-  from pallas_kernels.fp4_matmul import api
   _check(w, True, "grouped_w4a4_matmul")
   e, k, n = w.shape
   if xq.shape[-1] != k or group_sizes.shape != (e,):
@@ -341,10 +338,10 @@ def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
   # the grouped kernel's measured defaults: K steps of 256 values (or fewer), four in flight
   block_k = block_k or next((bk for bk in (256, 128, 64) if k % bk == 0), CHUNK_K)
   block_k, stages = pipeline(16, k, block_k, max_concurrent_steps or 4)
-  src, tile_expert, dest = api.tile_rows(group_sizes, x8.shape[0], 16)
+  src, tile_expert, dest = tiling.tile_rows(group_sizes, x8.shape[0], 16)
   xt = jnp.take(x8, src, axis=0, mode="fill", fill_value=0)  # [16 x tiles, K]
   exp_t = jnp.take(token_exp, src, mode="fill", fill_value=127)
-  splits = splits or api.default_splits(xt.shape[0] // 16, n // ROWS, k // block_k,
+  splits = splits or tiling.default_splits(xt.shape[0] // 16, n // ROWS, k // block_k,
                                         programs=2 * 132, max_splits=8)
   partials = grouped_w4a4_partials(xt, w.words, w.scales, tile_expert, block_k=block_k,
                                    splits=splits, max_concurrent_steps=stages,

@@ -1,0 +1,45 @@
+"""Tiling shared by the FP4 matmul kernels and their dispatch: the K splits that fill the
+H200, and where the rows of a grouped (MoE) matmul go when each group is padded to whole tiles."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def default_splits(m_tiles: int, n_tiles: int, k_steps: int, programs: int = 4 * 132,
+                   max_splits: int = 16) -> int:
+  """K splits that give each of the H200's 132 multiprocessors several programs (powers of two
+  dividing the K steps, at most max_splits): decode-sized M leaves too few tiles otherwise."""
+  splits = 1
+  while (m_tiles * n_tiles * splits < programs and k_steps % (splits * 2) == 0
+         and splits < max_splits):
+    splits *= 2
+  return splits
+
+
+def tile_rows(group_sizes, t: int, block_m: int):
+  """Where T rows sorted by expert go when each group is padded to whole block_m-row tiles (at
+  most ceil(T / block_m) + E tiles, a static bound):
+  (src [tiles x block_m]: each padded row's source row, T (out of range) where it holds none;
+  tile_expert [tiles + 1]: each tile's expert, then the number of tiles in use;
+  dest [T]: each row's place among the padded rows, out of range past sum(group_sizes), so that
+  reading an output back with mode="fill" gives those rows zeros)."""
+  e = group_sizes.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  tiles = -(-sizes // block_m)
+  tile_end = jnp.cumsum(tiles)
+  n_tiles = -(-t // block_m) + e  # static bound on sum(tiles)
+  row_end = jnp.cumsum(sizes)
+  rows_i = jnp.arange(t, dtype=jnp.int32)
+  expert_of_row = jnp.minimum(jnp.searchsorted(row_end, rows_i, side="right"), e - 1)
+  dest = (tile_end - tiles)[expert_of_row] * block_m + rows_i - (row_end - sizes)[expert_of_row]
+  dest = jnp.where(rows_i < row_end[-1], dest, n_tiles * block_m)
+  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"),
+                            e - 1).astype(jnp.int32)
+  slot = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
+  slot_expert = tile_expert[slot // block_m]
+  offset = slot - (tile_end - tiles)[slot_expert] * block_m
+  used = (offset < sizes[slot_expert]) & (slot // block_m < tile_end[-1])
+  src = jnp.where(used, (row_end - sizes)[slot_expert] + offset, t)
+  # the table's last entry: the tiles in use; the kernels skip the rest (zeros)
+  return src, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest
