@@ -321,7 +321,8 @@ def format_summary(s: dict) -> str:
       f"{f(s['reward_last'], '{:.3f}')}",
       f"  eval accuracy (rollout precision, greedy): {f(s['eval_accuracy_before_rl'], '{:.3f}')}"
       f" after the warm start -> {f(s['eval_accuracy_after'], '{:.3f}')}",
-      f"  mismatch KL (k3, mean over RL steps): {f(s['mismatch_kl_k3'], '{:.2e}')}",
+      f"  mismatch KL (k3, mean over RL steps): {f(s['mismatch_kl_k3'], '{:.2e}')} (float32 "
+      f"resolves {M.KL_RESOLUTION:.0e}: one ulp of dlogp at logp = -1)",
       f"  flip rate (mean of diagnostic steps): {f(s['flip_rate'], '{:.4f}')}",
       f"  rollout tokens/s: {f(s['rollout_tokens_per_s'], '{:.0f}')}   "
       f"record bytes/token: {f(s['record_bytes_per_token'], '{:.0f}')}",

@@ -8,6 +8,13 @@ import numpy as np
 
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.recipe import QuantRecipe
+from trace_jax.rl import grpo
+
+
+# the smallest non-zero per-token KL float32 log-probabilities resolve: r = logp_train -
+# logp_rollout moves in ulps of logp, and one ulp at logp = -1 (2^-23) gives k3 = 2^-47
+# (`grpo.k3`); means below it say that the two paths' log-probs agree to rounding
+KL_RESOLUTION = 2.0**-47
 
 
 def masked_mean(x, mask):
@@ -21,9 +28,10 @@ def masked_max(x, mask):
 
 def logp_mismatch(logp_rollout_BxL, logp_train_BxL, mask_BxL, *, prompt_width: int | None = None,
                   n_buckets: int = 8) -> dict[str, float | list]:
-  """KL (k3), log-prob and probability differences over the masked (response) tokens."""
+  """KL (k3, `grpo.k3`: sound down to `KL_RESOLUTION`), log-prob and probability differences
+  over the masked (response) tokens."""
   r = logp_train_BxL - logp_rollout_BxL
-  k3 = jnp.exp(r) - r - 1.0
+  k3 = grpo.k3(r)
   dp = jnp.abs(jnp.exp(logp_train_BxL) - jnp.exp(logp_rollout_BxL))
   out = {
       "mismatch/kl_k3": masked_mean(k3, mask_BxL),
