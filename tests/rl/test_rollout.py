@@ -148,6 +148,24 @@ def test_sampling_temperature_and_top_p():
     SamplingConfig(top_p=0.0)
 
 
+def test_top_p_with_a_rollout_correction_is_refused():
+  """The rollout's log-probabilities are those of softmax(logits / temperature), the
+  distribution the trainer recomputes; under top_p < 1 the tokens come from the renormalised
+  nucleus, so tis / mis would weigh by a ratio against a distribution nothing sampled from."""
+  from configs import reasoning
+  from trace_jax.rl.validate import validate
+  c = reasoning.get_config("smoke,mesh.data=1,rl.top_p=0.9,rl.correction=tis")
+  with pytest.raises(ValueError, match=r"^rl.top_p=0.9 with rl.correction='tis': .*rl.top_p=1"):
+    validate(c)
+  c.rl.correction = "mis"
+  with pytest.raises(ValueError, match="rl.correction='mis'"):
+    validate(c)
+  c.rl.correction = "none"
+  validate(c)  # PPO's ratio and the mismatch metrics compare the same distribution
+  c.rl.top_p, c.rl.correction = 1.0, "tis"
+  validate(c)
+
+
 def test_bad_prompts():
   with pytest.raises(ValueError, match="at least one token"):
     pad_prompts([[1, 2], []])

@@ -29,7 +29,9 @@ def masked_max(x, mask):
 def logp_mismatch(logp_rollout_BxL, logp_train_BxL, mask_BxL, *, prompt_width: int | None = None,
                   n_buckets: int = 8) -> dict[str, float | list]:
   """KL (k3, `grpo.k3`: sound down to `KL_RESOLUTION`), log-prob and probability differences
-  over the masked (response) tokens."""
+  over the masked (response) tokens. Both log-probs are of the full temperature-scaled
+  distribution (`rollout.SamplingConfig`): under top_p < 1 these measure how far the two paths'
+  policies are apart, not how far the trainer is from the nucleus that was sampled."""
   r = logp_train_BxL - logp_rollout_BxL
   k3 = grpo.k3(r)
   dp = jnp.abs(jnp.exp(logp_train_BxL) - jnp.exp(logp_rollout_BxL))
