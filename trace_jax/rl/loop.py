@@ -122,8 +122,9 @@ class Run:
       records_used = {i: batch.records[i] for i in self.trainer.record_layers}
       routes = batch.routes if c.rl.routing_replay else None
       out = self.codes(state["params"], batch.tokens, batch.valid, records=records_used,
-                       routes=routes)
-      flips = M.flip_rates(self.cfg, self.setup.rollout, batch.codes, out.codes, predicts)
+                       routes=routes, rollout_routes=batch.routes)
+      flips = M.flip_rates(self.cfg, self.setup.rollout, batch.codes, out.codes, predicts,
+                           routes_rollout=batch.routes, routes_train=out.routes)
     adv = grpo.group_advantages(jnp.asarray(rewards), g)
     train_batch = self.place_batch(
         {"tokens": batch.tokens, "valid": batch.valid, "response_mask": batch.response_mask,
