@@ -96,12 +96,14 @@ def probe_precision(cfg, params, precision: str, prompts, c) -> list[dict]:
     records = {i: batch.records[i] for i in layers}
     for replay in _choices(c.routing_replay, ("off", "on"), "routing_replay"):
       routes = batch.routes if replay == "on" else None
-      out = train(params, batch.tokens, batch.valid, records=records, routes=routes)
+      out = train(params, batch.tokens, batch.valid, records=records, routes=routes,
+                  rollout_routes=batch.routes)
       row = {"rollout_quant": precision, "records": guidance, "routing_replay": replay == "on"}
       row.update(M.logp_mismatch(batch.logp, out.logp, batch.response_mask,
                                  prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
       if batch.codes:
         row.update(M.flip_rates(cfg, recipe, batch.codes, out.codes, predicts_response,
+                                routes_rollout=batch.routes, routes_train=out.routes,
                                 prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
       row["mismatch/route_flip_rate"] = M.route_flip_rate(batch.routes, out.routes,
                                                           predicts_response)

@@ -67,5 +67,6 @@ def test_episodes_share_one_kv_cache_and_mask_observations(episodes, precision, 
     assert diff.max() < tol
   else:  # FP4 with records everywhere: nothing flips, observations included (padding aside)
     everywhere = np.asarray(batch.valid[:, :-1])
-    assert M.flip_rates(cfg, recipe, batch.codes, out.codes, everywhere)[
+    assert M.flip_rates(cfg, recipe, batch.codes, out.codes, everywhere,
+                        routes_rollout=batch.routes, routes_train=out.routes)[
         "mismatch/flip_rate"] == 0.0

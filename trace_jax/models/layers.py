@@ -107,6 +107,14 @@ def top_k_experts(probs_BxTxE: jax.Array, k: int) -> jax.Array:
   return jnp.sort(idx, axis=-1)
 
 
+def match_experts(idx_BxTxk: jax.Array, ref_BxTxk: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """For each slot of idx: whether its expert is among ref's k for that token, and the slot of
+  ref that holds it (0 where none). Two top-k's of a token can differ in their sets, and a
+  shared expert can sit in another slot (slots are in ascending id order)."""
+  same_BxTxkxk = idx_BxTxk[..., :, None] == ref_BxTxk[..., None, :]
+  return jnp.any(same_BxTxkxk, axis=-1), jnp.argmax(same_BxTxkxk, axis=-1)
+
+
 def gate_weights(probs_BxTxE, idx_BxTxk, renormalize: bool):
   gates = jnp.take_along_axis(probs_BxTxE, idx_BxTxk, axis=-1)
   if renormalize:

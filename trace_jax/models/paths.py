@@ -48,18 +48,27 @@ def _emit(store: dict, layer: int, site: str, value) -> None:
 
 
 class TrainPath:
-  """The trainer's computation (see module docstring)."""
+  """The trainer's computation (see module docstring).
+
+  `routes_LxBxTxk`: experts to replay instead of the trainer's top-k; `rollout_routes_LxBxTxk`
+  (default: the replayed ones): the rollout's experts, which moe_mid records are laid out by. A
+  moe_mid record guides a slot only where the trainer's expert is among the rollout's for that
+  token (with that expert's record); other slots round to nearest."""
 
   def __init__(self, cfg: ModelConfig, valid_BxT: jax.Array, recipe: QuantRecipe = QuantRecipe(),
                records: Records | None = None, routes_LxBxTxk: jax.Array | None = None,
-               collect_codes: bool = False, code_recipe: QuantRecipe | None = None):
+               collect_codes: bool = False, code_recipe: QuantRecipe | None = None,
+               rollout_routes_LxBxTxk: jax.Array | None = None):
     self.cfg, self.recipe, self.valid = cfg, recipe, valid_BxT
     self.records = records or {}
     self.routes = routes_LxBxTxk
+    self.rollout_routes = (routes_LxBxTxk if rollout_routes_LxBxTxk is None
+                           else rollout_routes_LxBxTxk)
     self.collect_codes = collect_codes
     # the formats whose codes the diagnostics compare (the rollout's, also for a bf16 trainer)
     self.code_recipe = code_recipe or recipe
     self.codes: dict[int, dict[str, jax.Array]] = {}
+    self.chosen: dict[int, jax.Array] = {}  # per layer, the experts the trainer used
 
   def weight(self, w: jax.Array, layer: int, name: str) -> jax.Array:
     fmt = self.recipe.weight_format(layer, self.cfg.n_layers)
@@ -76,22 +85,48 @@ class TrainPath:
   def act(self, x, layer, site):
     fmt = self.recipe.site_format(site, layer, self.cfg.n_layers)
     rec = self.records.get(layer, {}).get(site) if fmt is not BF16 else None
+    guided_BxTxk = None  # per expert slot, whether the record guides it (moe_mid)
+    if rec is not None and site == "moe_mid":
+      rec, guided_BxTxk = self._expert_records(rec, layer)
     if self.collect_codes:
-      self._collect(x, layer, site, fmt, rec)
+      self._collect(x, layer, site, fmt, rec, guided_BxTxk)
     if fmt is BF16:
       return x
-    if rec is not None:  # the rollout's codes, recovered: DESIGN section 5
-      return quant.guided_quant(x, rec, fmt).astype(x.dtype)
-    return quant.fake_quant(x, fmt).astype(x.dtype)
+    if rec is None:
+      return quant.fake_quant(x, fmt).astype(x.dtype)
+    y = quant.guided_quant(x, rec, fmt)  # the rollout's codes, recovered: DESIGN section 5
+    if guided_BxTxk is not None:
+      y = jnp.where(guided_BxTxk[..., None], y, quant.fake_quant(x, fmt))
+    return y.astype(x.dtype)
 
-  def _collect(self, x, layer, site, fmt, rec):
+  def _expert_records(self, rec: quant.Record, layer: int):
+    """moe_mid records are per (token, rollout slot): each trainer slot takes the record of the
+    rollout's slot with its expert; where the rollout did not choose that expert, a record
+    would carry another expert's scales and bits, so the slot is left unguided."""
+    if self.rollout_routes is None:
+      raise ValueError("moe_mid records are laid out by the rollout's experts: pass the "
+                       "rollout's routes (recompute(rollout_routes=...) or routes=...)")
+    ours_BxTxk = self.chosen[layer]
+    guided_BxTxk, src_BxTxk = L.match_experts(
+        ours_BxTxk, self.rollout_routes[layer].astype(ours_BxTxk.dtype))
+
+    def take(a):  # [B, T, k, ...]: gather along the slot axis
+      src = src_BxTxk.reshape(*src_BxTxk.shape, *(1,) * (a.ndim - 3))
+      return jnp.take_along_axis(a, src, axis=2)
+
+    return jax.tree.map(take, rec), guided_BxTxk
+
+  def _collect(self, x, layer, site, fmt, rec, guided_BxTxk):
     code_fmt = self.code_recipe.site_format(site, layer, self.cfg.n_layers)
     if code_fmt is BF16:
       return
+    nearest = lambda: quant.element_codes(quant.quantize(x, code_fmt))
     if rec is not None and code_fmt == fmt:
       codes = quant.guided_codes(x, rec, fmt)
+      if guided_BxTxk is not None:
+        codes = jnp.where(guided_BxTxk[..., None], codes, nearest())
     else:
-      codes = quant.element_codes(quant.quantize(x, code_fmt))
+      codes = nearest()
     _emit(self.codes, layer, site, jax.lax.stop_gradient(codes))
 
   def attention(self, q, k, v, layer):
@@ -101,8 +136,11 @@ class TrainPath:
 
   def route(self, probs, layer):
     if self.routes is not None:  # routing replay: the rollout's experts, the trainer's gates
-      return self.routes[layer].astype(jnp.int32)
-    return L.top_k_experts(probs, self.cfg.top_k)
+      idx = self.routes[layer].astype(jnp.int32)
+    else:
+      idx = L.top_k_experts(probs, self.cfg.top_k)
+    self.chosen[layer] = idx
+    return idx
 
 
 # ----------------------------------------------------------------------------------------------

@@ -138,8 +138,9 @@ class Run:
       records_used = {i: batch.records[i] for i in self.trainer.record_layers}
       routes = batch.routes if c.rl.routing_replay else None
       out = self.codes(state["params"], batch.tokens, batch.valid, records=records_used,
-                       routes=routes)
-      flips = M.flip_rates(self.cfg, self.setup.rollout, batch.codes, out.codes, predicts)
+                       routes=routes, rollout_routes=batch.routes)
+      flips = M.flip_rates(self.cfg, self.setup.rollout, batch.codes, out.codes, predicts,
+                           routes_rollout=batch.routes, routes_train=out.routes)
     adv = grpo.group_advantages(jnp.asarray(rewards), g)
     train_batch = self.place_batch(
         {"tokens": batch.tokens, "valid": batch.valid, "response_mask": batch.response_mask,
@@ -364,7 +365,8 @@ def format_summary(s: dict) -> str:
       f"{f(s['reward_last'], '{:.3f}')}",
       f"  eval accuracy (rollout precision, greedy): {f(s['eval_accuracy_before_rl'], '{:.3f}')}"
       f" after the warm start -> {f(s['eval_accuracy_after'], '{:.3f}')}",
-      f"  mismatch KL (k3, mean over RL steps): {f(s['mismatch_kl_k3'], '{:.2e}')}",
+      f"  mismatch KL (k3, mean over RL steps): {f(s['mismatch_kl_k3'], '{:.2e}')} (float32 "
+      f"resolves {M.KL_RESOLUTION:.0e}: one ulp of dlogp at logp = -1)",
       f"  flip rate (mean of diagnostic steps): {f(s['flip_rate'], '{:.4f}')}",
       f"  rollout tokens/s: {f(s['rollout_tokens_per_s'], '{:.0f}')}   "
       f"record bytes/token: {f(s['record_bytes_per_token'], '{:.0f}')}",

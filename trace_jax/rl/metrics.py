@@ -6,8 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax.models import layers as L
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.recipe import QuantRecipe
+from trace_jax.rl import grpo
+
+
+# the smallest non-zero per-token KL float32 log-probabilities resolve: r = logp_train -
+# logp_rollout moves in ulps of logp, and one ulp at logp = -1 (2^-23) gives k3 = 2^-47
+# (`grpo.k3`); means below it say that the two paths' log-probs agree to rounding
+KL_RESOLUTION = 2.0**-47
 
 
 def masked_mean(x, mask):
@@ -21,9 +29,12 @@ def masked_max(x, mask):
 
 def logp_mismatch(logp_rollout_BxL, logp_train_BxL, mask_BxL, *, prompt_width: int | None = None,
                   n_buckets: int = 8) -> dict[str, float | list]:
-  """KL (k3), log-prob and probability differences over the masked (response) tokens."""
+  """KL (k3, `grpo.k3`: sound down to `KL_RESOLUTION`), log-prob and probability differences
+  over the masked (response) tokens. Both log-probs are of the full temperature-scaled
+  distribution (`rollout.SamplingConfig`): under top_p < 1 these measure how far the two paths'
+  policies are apart, not how far the trainer is from the nucleus that was sampled."""
   r = logp_train_BxL - logp_rollout_BxL
-  k3 = jnp.exp(r) - r - 1.0
+  k3 = grpo.k3(r)
   dp = jnp.abs(jnp.exp(logp_train_BxL) - jnp.exp(logp_rollout_BxL))
   out = {
       "mismatch/kl_k3": masked_mean(k3, mask_BxL),
@@ -57,13 +68,17 @@ def by_position(num_BxL, den_BxL, mask_BxL, prompt_width: int, n_buckets: int):
 
 
 def flip_rates(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes_train: dict,
-               mask_BxT: jax.Array, *, prompt_width: int | None = None,
+               mask_BxT: jax.Array, *, routes_rollout: jax.Array | None = None,
+               routes_train: jax.Array | None = None, prompt_width: int | None = None,
                n_buckets: int = 8) -> dict[str, float | list]:
   """Fraction of quantized elements whose code differs, overall and per site and layer.
 
   codes are {layer: {site: uint8 [B, T, ...]}}; -0 and +0 count as one code; only positions
-  in mask_BxT count (those that predict response tokens). With `prompt_width`, also the overall
-  rate in buckets of the response position each position predicts.
+  in mask_BxT count (those that predict response tokens). moe_mid codes are per (token, expert
+  slot), and the two paths' top-k can differ: they are compared expert by expert (needs both
+  paths' routes, [n_layers, B, T, k]), and an expert only one path chose has no code to
+  compare (`route_flip_rate` counts those). With `prompt_width`, also the overall rate in
+  buckets of the response position each position predicts.
   """
   out, n_flip, n_all = {}, 0.0, 0.0
   flips_BxT = jnp.zeros(mask_BxT.shape)
@@ -73,14 +88,23 @@ def flip_rates(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes
       c_t = codes_train[layer][site]
       sign = recipe.site_format(site, layer, cfg.n_layers).codec.sign_bit
       canon = lambda c: jnp.where(c == sign, 0, c)
-      diff = (canon(c_r) != canon(c_t)).reshape(*c_r.shape[:2], -1)
-      m = mask_BxT[:, :, None].astype(jnp.float32)
-      flips = float(jnp.sum(diff * m))
-      total = float(jnp.sum(m) * diff.shape[-1])
+      m = jnp.asarray(mask_BxT, bool)
+      w = jnp.broadcast_to(m.reshape(*m.shape, *(1,) * (c_r.ndim - 2)), c_r.shape)
+      if site == "moe_mid":
+        if routes_rollout is None or routes_train is None:
+          raise ValueError("flip_rates: moe_mid codes are per expert slot; pass both paths' "
+                           "routes (routes_rollout=, routes_train=)")
+        # the trainer's slot with the rollout slot's expert, where it has one
+        shared_BxTxk, src_BxTxk = L.match_experts(routes_rollout[layer], routes_train[layer])
+        c_t = jnp.take_along_axis(c_t, src_BxTxk[..., None], axis=2)
+        w = w & shared_BxTxk[..., None]
+      w = w.reshape(*c_r.shape[:2], -1).astype(jnp.float32)
+      diff = (canon(c_r) != canon(c_t)).reshape(*c_r.shape[:2], -1) * w
+      flips, total = float(jnp.sum(diff)), float(jnp.sum(w))
       out[f"mismatch/flip_rate/{site}/layer_{layer}"] = flips / max(total, 1.0)
       n_flip, n_all = n_flip + flips, n_all + total
       flips_BxT = flips_BxT + jnp.sum(diff, axis=-1)
-      elems_BxT = elems_BxT + diff.shape[-1]
+      elems_BxT = elems_BxT + jnp.sum(w, axis=-1)
   out["mismatch/flip_rate"] = n_flip / max(n_all, 1.0)
   if prompt_width is not None:  # position t predicts token t + 1: shift onto token positions
     shift = lambda a: jnp.pad(a, ((0, 0), (1, 0)))

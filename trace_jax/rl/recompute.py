@@ -32,19 +32,22 @@ class TrainOutputs:
 def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: jax.Array,
               recipe: QuantRecipe = QuantRecipe(), *, records: Records | None = None,
               routes: jax.Array | None = None, temperature: float = 1.0,
-              collect_codes: bool = False, code_recipe: QuantRecipe | None = None
-              ) -> TrainOutputs:
+              collect_codes: bool = False, code_recipe: QuantRecipe | None = None,
+              rollout_routes: jax.Array | None = None) -> TrainOutputs:
   """Fake-quantized forward over tokens[:, :-1], scored on tokens[:, 1:].
 
   records: the rollout's records (arrays [B, L-1, ...]); sites without one round to nearest.
   routes: [n_layers, B, L-1, k] expert ids to replay instead of the trainer's own top-k.
+  rollout_routes: the rollout's expert ids (default: `routes`), needed with moe_mid records,
+  which are laid out by them: a record guides only the slots whose expert the rollout chose.
   collect_codes: also return each site's element codes in the formats of `code_recipe`
   (default: `recipe`), for flip rates against the rollout's.
   """
   inputs, targets = tokens_BxL[:, :-1], tokens_BxL[:, 1:]
   valid = valid_BxL[:, :-1]
   pos = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-  path = TrainPath(cfg, valid, recipe, records, routes, collect_codes, code_recipe)
+  path = TrainPath(cfg, valid, recipe, records, routes, collect_codes, code_recipe,
+                   rollout_routes)
   logits, routing = forward(cfg, params, inputs, pos, path)
   if temperature > 0:
     logits = logits / temperature

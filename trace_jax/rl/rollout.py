@@ -26,7 +26,14 @@ from trace_jax.models.recipe import QuantRecipe, parse_layers
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """temperature 0 is greedy; log-probabilities are always of softmax(logits / temperature)
-  (temperature 1 when greedy), before top-p truncation."""
+  (temperature 1 when greedy), before top-p truncation.
+
+  That is the distribution the trainer recomputes (`recompute(..., temperature=)`), so the PPO
+  ratio and the mismatch metrics compare the two paths' same distribution, also under top_p < 1.
+  Tokens are then drawn from the renormalised nucleus, which neither log-probability describes:
+  an importance weight against the sampling distribution would need the nucleus on both paths
+  (the rollout's kept set replayed in the trainer), so the RL config refuses top_p < 1 together
+  with a rollout correction (`validate`)."""
 
   max_new_tokens: int = 64
   temperature: float = 1.0

@@ -120,7 +120,7 @@ class Trainer:
     routes = batch["routes"] if self.o.routing_replay else None
     return recompute(self.cfg, params, batch["tokens"], batch["valid"],
                      recipe or self.setup.train, records=records, routes=routes,
-                     temperature=self.o.temperature)
+                     temperature=self.o.temperature, rollout_routes=batch["routes"])
 
   def rl_step(self, state, batch):
     """batch: tokens, valid, response_mask, logp (the rollout's), advantages [B], records,

@@ -88,6 +88,13 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   if c.rl.temperature < 0 or not 0 < c.rl.top_p <= 1:
     raise ValueError(f"rl.temperature must be >= 0 and rl.top_p in (0, 1]; got "
                      f"{c.rl.temperature}, {c.rl.top_p}")
+  if c.rl.top_p < 1 and c.rl.correction != "none":
+    # the rollout's log-probs are of the full tempered distribution (what the trainer
+    # recomputes), but top_p samples from its renormalised nucleus: the correction's ratio
+    # would be against a distribution nothing sampled from (rollout.SamplingConfig)
+    raise ValueError(f"rl.top_p={c.rl.top_p} with rl.correction={c.rl.correction!r}: the "
+                     "correction's ratio needs the sampling distribution, which top_p < 1 "
+                     "truncates; use rl.top_p=1 or rl.correction='none'")
   if c.log.flip_rate_every < 0:
     raise ValueError(f"log.flip_rate_every must be >= 0, got {c.log.flip_rate_every}")
   _check_mesh(c, jax.device_count() if n_devices is None else n_devices)
