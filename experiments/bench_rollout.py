@@ -45,7 +45,7 @@ from pallas_kernels.timing import copy_bandwidth, kernel_times  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
 from trace_jax.models.config import qwen3_30b_a3b  # noqa: E402
-from trace_jax.models.kernels import ATTENTION_KERNELS  # noqa: E402
+from pallas_kernels.dispatch import ATTENTION_KERNELS, make_ops  # noqa: E402
 from trace_jax.models.paths import new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
@@ -185,7 +185,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
     recipe = QuantRecipe.uniform(precision)
     if (precision, layout) not in packed:  # one packing alive at a time
       packed = {(precision, layout): jax.block_until_ready(
-          pack_weights(cfg, params, recipe, kernels=layout))}
+          pack_weights(cfg, params, recipe, ops=make_ops(layout)))}
     weights = packed[precision, layout]
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention)
     for b in batches:

@@ -12,14 +12,15 @@ def _module(path: str) -> str:
   return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
 
 
-def imports(package: str) -> dict[str, set[str]]:
-  """module -> the project modules it imports (`from a.b import c` counts a.b.c where that is
-  a module, else a.b)."""
+def imports(*packages: str) -> dict[str, set[str]]:
+  """module -> the modules of `packages` it imports (`from a.b import c` counts a.b.c where
+  that is a module, else a.b)."""
   files = {}
-  for dirpath, _, names in os.walk(os.path.join(ROOT, package)):
-    for name in names:
-      if name.endswith(".py"):
-        files[_module(os.path.join(dirpath, name))] = os.path.join(dirpath, name)
+  for package in packages:
+    for dirpath, _, names in os.walk(os.path.join(ROOT, package)):
+      for name in names:
+        if name.endswith(".py"):
+          files[_module(os.path.join(dirpath, name))] = os.path.join(dirpath, name)
   graph = {}
   for mod, path in files.items():
     deps = set()
@@ -59,3 +60,13 @@ def test_no_import_cycles_among_the_kernels():
   graph = imports("pallas_kernels")
   assert "pallas_kernels.fp4_matmul.api" in graph["pallas_kernels.fp4_matmul"]  # it reads them
   assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_model_imports_no_kernel():
+  """Kernel choice is injected (an ops object, `pallas_kernels.dispatch`): the model package
+  reads none of pallas_kernels."""
+  graph = imports("trace_jax", "pallas_kernels")
+  assert "pallas_kernels.dispatch" in graph["trace_jax.rl.rollout"]  # the engine picks one
+  for mod, deps in graph.items():
+    if mod.startswith("trace_jax.models"):
+      assert not any(d.startswith("pallas_kernels") for d in deps), (mod, deps)

@@ -66,7 +66,7 @@ MOSAIC = [dict(backend="mosaic", block_k2=bk, splits=sp, max_concurrent_steps=st
 MOSAIC_SWEEP = MOSAIC + [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot")]
 MOSAIC_BF16 = [dict(block_k=bk, splits=sp, max_concurrent_steps=st)
                for bk, sp, st in [(128, None, 4), (64, None, 6), (128, 2, 3), (256, None, 3)]]
-# the kernels as the rollout engine calls them (`trace_jax.models.kernels`): the Triton FP4
+# the kernels as the rollout engine calls them (`pallas_kernels.dispatch`): the Triton FP4
 # kernel's tiles for a plainly packed weight, the Mosaic kernel's defaults for a tiled one
 ENGINE = [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot"),
           dict(backend="mosaic")]

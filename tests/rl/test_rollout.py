@@ -242,9 +242,9 @@ def _kernel_rollouts(precision, max_new_tokens=6):
   tokens, lengths = pad_prompts(PROMPTS)
   out = []
   for kernels in ("xla", "pallas"):
-    weights = pack_weights(cfg, params, recipe, kernels=kernels)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     engine = RolloutEngine(cfg, recipe, sampling, records="all", attn_chunk=16, kernels=kernels)
+    weights = pack_weights(cfg, params, recipe, ops=engine.ops)
     out.append(engine.generate(weights, tokens, lengths, jax.random.PRNGKey(7)))
   return out
 
@@ -307,7 +307,7 @@ def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials):
   gives the rollout's log-probabilities within 1e-4 (on the emulation, MXFP4 and NVFP4: 2.4e-7;
   plain rounding flips 12-14% of the codes there)."""
   from pallas_kernels.decode_attention import mosaic as mosaic_attention
-  from trace_jax.models import kernels as K
+  from pallas_kernels import dispatch as K
   splits = []
 
   def spy(*args, **kw):
@@ -320,7 +320,7 @@ def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials):
   assert mosaic_attention.supports(4, 128, 2, precision)  # precision names the cache format
   params = init_params(cfg, jax.random.PRNGKey(0))
   recipe = QuantRecipe.uniform(precision)
-  weights = pack_weights(cfg, params, recipe, kernels="pallas")
+  weights = pack_weights(cfg, params, recipe, ops=K.make_ops("pallas"))
   tokens, lengths = pad_prompts(PROMPTS)
   sampling = SamplingConfig(max_new_tokens=60, temperature=0.0)  # 66 fed: a 128-slot cache
   kernels = ("mosaic", "triton") if precision == "bf16" else ("mosaic",)
@@ -353,7 +353,7 @@ def test_mosaic_attention_in_the_engine(monkeypatch):
   (and XLA) round it to bf16, so the rollouts may part by rounding (in FP4 here within three new
   tokens, as a rounding moves a code): hence the checks of `_assert_mosaic_rollouts_are_right`."""
   from tests.pallas_kernels.test_decode_attention import _emulated_partials
-  from trace_jax.models import kernels as K
+  from pallas_kernels import dispatch as K
   monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: True)
   _assert_mosaic_rollouts_are_right("bf16", monkeypatch, _emulated_partials("bf16"))
 
@@ -364,7 +364,7 @@ def test_compiled_mosaic_attention_in_the_engine(precision, monkeypatch):
   """On a Hopper GPU, compiled: the engine on the Mosaic attention kernel, checked as the
   emulation is above."""
   from pallas_kernels.decode_attention import mosaic as mosaic_attention
-  from trace_jax.models import kernels as K
+  from pallas_kernels import dispatch as K
   if not K._mosaic_attention_runs():
     pytest.fail("the Mosaic attention's GPU test needs a Hopper GPU")
   _assert_mosaic_rollouts_are_right(precision, monkeypatch,
@@ -372,7 +372,7 @@ def test_compiled_mosaic_attention_in_the_engine(precision, monkeypatch):
 
 
 def test_mosaic_attention_splits():
-  from trace_jax.models import kernels as K
+  from pallas_kernels import dispatch as K
   assert K.MOSAIC_SPLIT_SLOTS == 1024
   assert K._mosaic_splits(1024, 64, 64) == 4  # occupancy asks 1; 4096 slots in fours
   assert K._mosaic_splits(8, 64, 64) == 64  # a small batch: the occupancy's
@@ -388,7 +388,7 @@ def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precisio
   """attention_kernel "auto" (the default): the Mosaic kernel for MXFP4 caches where it runs
   (Hopper), the Triton one for bf16 and NVFP4 caches (BENCHMARKS.md) and off Hopper."""
   from tests.pallas_kernels.test_decode_attention import inputs
-  from trace_jax.models import kernels as K
+  from pallas_kernels import dispatch as K
   from trace_jax.quant import MXFP4, NVFP4
   called = []
   monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: runs)
@@ -396,19 +396,21 @@ def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precisio
                       lambda *a, **kw: called.append(kw.get("backend", "triton")))
   fmt = {"mxfp4": MXFP4, "nvfp4": NVFP4, "bf16": None}[precision]
   q, k, v, mask = inputs(0, 2, 128, 4, 2, 128, fmt)
-  K.attention(q, k, v, mask)
+  K._attention(q, k, v, mask)
   assert called == [backend]
 
 
 @pytest.mark.parametrize("precision", ["mxfp4", "nvfp4"])
 def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision):
-  """pack_weights(kernels="pallas") lays every FP4 projection out for the Mosaic kernels: the
+  """pack_weights with the kernels' ops lays every FP4 projection out for the Mosaic kernels: the
   same bytes as the plain packing, permuted (`untile` gives them back bit for bit)."""
   from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
   cfg, params = policy()
   recipe = QuantRecipe.uniform(precision)
   plain = pack_weights(cfg, params, recipe)
-  tiled = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, kernels="pallas"))(params)
+  from pallas_kernels import dispatch
+  ops = dispatch.make_ops("pallas")
+  tiled = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=ops))(params)
   ones = 0  # the tiled MXFP4 weights' unit globals (the kernels read one either way)
   for layer_t, layer_p in zip(tiled.layers, plain.layers):
     for name in WEIGHT_AXES:
@@ -419,21 +421,22 @@ def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision):
       for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(layer_p[name])):
         np.testing.assert_array_equal(a, b)
   assert tiled.nbytes == plain.nbytes + ones
-  layer_t, layer_p = tiled.layers[0], plain.layers[0]  # the XLA path reads either layout
-  np.testing.assert_array_equal(unpack(layer_t["w_up"]), unpack(layer_p["w_up"]))
+  layer_t, layer_p = tiled.layers[0], plain.layers[0]  # XLA's fallback reads either layout
+  np.testing.assert_array_equal(ops.dense(layer_t["w_up"]), unpack(layer_p["w_up"]))
   with pytest.raises(ValueError, match="kernels must be one of"):
-    pack_weights(cfg, params, recipe, kernels="mosaic")
+    dispatch.make_ops("mosaic")
 
 
 def test_weight_sync_leaves_fp4_untiled_on_gpus_without_the_mosaic_kernels(monkeypatch):
   """There the Triton kernels run, and they would take a tiled weight back every step."""
-  from trace_jax.models import kernels as K
+  from pallas_kernels import dispatch as K
   from trace_jax.quant import MXFP4, QArray, quantize
   w = quantize(jnp.ones((128, 64)), MXFP4, axis=0)
-  assert not isinstance(K.weight_layout(w), QArray)  # here (CPU): tiled, for the tests
+  ops = K.make_ops("pallas")
+  assert not isinstance(ops.weight_layout(w), QArray)  # here (CPU): tiled, for the tests
   monkeypatch.setattr(K.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(K.mosaic, "available", lambda: False)
-  assert K.weight_layout(w) is w
+  assert ops.weight_layout(w) is w
 
 
 def test_kernel_switch_errors():
@@ -451,21 +454,22 @@ def test_kernel_switch_errors():
 def test_kernel_switch_leaves_what_no_kernel_takes_to_xla():
   """Formats without a kernel (fp8) and sizes the kernels' power-of-two tiles (or blocks) do not
   fit: None, and the rollout path computes them with XLA."""
-  from trace_jax.models import kernels as K
+  from pallas_kernels import dispatch as K
+  ops = K.make_ops("pallas")
   from trace_jax.quant import FP8, MXFP4, make_record, quantize
   x = jnp.ones((2, 64), jnp.bfloat16)
-  assert K.linear(x, jnp.ones((64, 24), jnp.bfloat16)) is None  # 24 outputs: no tile
-  assert K.linear(x, quantize(jnp.ones((64, 64)), FP8, axis=0)) is None
-  assert K.linear(x, quantize(jnp.ones((64, 64)), MXFP4, axis=0)) is not None
-  assert K.linear(x, jnp.ones((64, 64), jnp.bfloat16)) is not None
+  assert ops.linear(x, jnp.ones((64, 24), jnp.bfloat16)) is None  # 24 outputs: no tile
+  assert ops.linear(x, quantize(jnp.ones((64, 64)), FP8, axis=0)) is None
+  assert ops.linear(x, quantize(jnp.ones((64, 64)), MXFP4, axis=0)) is not None
+  assert ops.linear(x, jnp.ones((64, 64), jnp.bfloat16)) is not None
   many = jnp.ones((K.BF16_XLA_FROM, 64), jnp.bfloat16)  # XLA's dot: faster at this many tokens
-  assert K.linear(many, jnp.ones((64, 64), jnp.bfloat16)) is None
+  assert ops.linear(many, jnp.ones((64, 64), jnp.bfloat16)) is None
   q = jnp.ones((1, 2, 96), jnp.bfloat16)
   cache = quantize(jnp.ones((1, 64, 1, 96)), MXFP4)  # head_dim 96
-  assert K.attention(q, cache, cache, jnp.ones((1, 64), bool)) is None
-  assert K.quantize(x, FP8) is None and K.quantize(jnp.ones((2, 48)), MXFP4) is None
+  assert ops.attention(q, cache, cache, jnp.ones((1, 64), bool)) is None
+  assert ops.quantize(x, FP8) is None and ops.quantize(jnp.ones((2, 48)), MXFP4) is None
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 64), jnp.bfloat16)
-  qa, rec = K.quantize(x, MXFP4)  # the fused kernel: the quant core's bits
+  qa, rec = ops.quantize(x, MXFP4)  # the fused kernel: the quant core's bits
   want = quantize(x, MXFP4)
   assert jax.tree.structure(qa) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves((qa, rec)), jax.tree.leaves((want, make_record(want)))):

@@ -6,8 +6,9 @@ exist, the full-sequence masked attention of a trainer.
 
 `RolloutPath`: packed weights (`RolloutWeights`, made by `pack_weights`, the weight sync),
 activations quantized with plain rounding (their records emitted), K/V written to a packed cache
-and attended over with flash-decoding, as an inference engine computes; its matmuls and
-one-token attention by XLA or by the Pallas kernels (`kernels="pallas"`, `models.kernels`).
+and attended over with flash-decoding, as an inference engine computes; its matmuls, one-token
+attention and quantization by the ops object it is given (`models.ops`: XLA's, or a kernel
+backend's such as `pallas_kernels.dispatch.KernelOps`), XLA's where that computes none.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
 from trace_jax import quant
-from trace_jax.models import kernels as K
 from trace_jax.models import layers as L
 from trace_jax.models.config import ModelConfig
+from trace_jax.models.ops import XLA
 from trace_jax.models.recipe import WEIGHT_AXES, QuantRecipe
-from trace_jax.quant import BF16, QArray
+from trace_jax.quant import BF16
 
 Records = dict[int, dict[str, quant.Record]]
 
@@ -151,8 +151,9 @@ class TrainPath:
                    data_fields=["embed", "layers", "final_norm", "lm_head"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class RolloutWeights:
-  """The rollout engine's weights: projections as packed `QArray`s (or, packed for the kernels,
-  `TiledFP4`s; bf16 arrays in layers the recipe leaves unquantized), embeddings and LM head in
+  """The rollout engine's weights: projections as packed `QArray`s (or in the layout of the
+  ops' kernels, `ops.weight_layout`; bf16 arrays in layers the recipe leaves unquantized),
+  embeddings and LM head in
   the activation dtype, router and norms as in the master params. A different type from the
   params, made only by `pack_weights`."""
 
@@ -171,14 +172,13 @@ class RolloutWeights:
 
 
 def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe,
-                 kernels: str = "xla") -> RolloutWeights:
-  """The weight sync: master params -> rollout weights, quantized as the recipe says; with
-  kernels="pallas", FP4 projections also laid out for the kernels that read them
-  (`kernels.weight_layout`: the same bytes, permuted, once here rather than every step).
+                 ops=XLA) -> RolloutWeights:
+  """The weight sync: master params -> rollout weights, quantized as the recipe says, each
+  projection laid out for the ops' kernels (`ops.weight_layout`: for the Pallas kernels the
+  same bytes, permuted, once here rather than every step).
 
   Weights are deterministic functions of the params, so the trainer's fake-quantized weights
   dequantize to exactly these values."""
-  K.check(kernels, cfg.act_dtype)
   dt = cfg.act_dtype
   layers = []
   for i, p in enumerate(params["layers"]):
@@ -188,9 +188,8 @@ def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe,
       if fmt is BF16:
         packed[name] = p[name].astype(dt)
       else:
-        packed[name] = _per_matrix(functools.partial(quant.quantize, fmt=fmt), p[name], name)
-        if kernels == "pallas":
-          packed[name] = K.weight_layout(packed[name])
+        packed[name] = ops.weight_layout(
+            _per_matrix(functools.partial(quant.quantize, fmt=fmt), p[name], name))
     layers.append(packed)
   head = None if cfg.tie_embeddings else params["lm_head"].astype(dt)
   return RolloutWeights(embed=params["embed"].astype(dt), layers=layers,
@@ -198,10 +197,9 @@ def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe,
 
 
 def unpack(w) -> jax.Array:
-  """A rollout weight as a dense array (packed weights dequantized to float32)."""
-  if isinstance(w, TiledFP4):
-    w = untile(w)
-  return quant.dequantize(w) if isinstance(w, QArray) else w
+  """A rollout weight (or cache) packed by XLA's ops as a dense array (packed ones dequantized
+  to float32); a kernel layout's through its ops' `dense`."""
+  return XLA.dense(w)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,19 +232,14 @@ def write_slots(buffer, new, start, axis: int = 1):
 class RolloutPath:
   """The inference engine's computation for T new positions written at cache slot `start`.
 
-  `kernels`: "xla", or "pallas" for the Pallas kernels (matmuls and FP4 quantization at every
-  T, attention when T = 1, the decode step; `trace_jax.models.kernels` says which formats and
-  sizes they take, and which go to XLA); `attention_kernel` the attention's backend under
-  "pallas": "auto" (by the cache's format, as measured), "triton", or "mosaic" (Hopper; Triton
-  elsewhere)."""
+  `ops`: what computes its matmuls and quantization (every T) and its attention (T = 1, the
+  decode step): `models.ops.XLA`, or a kernel backend's ops (`pallas_kernels.dispatch`), which
+  say which formats and sizes their kernels take; the rest goes to XLA."""
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, cache: list, start: jax.Array,
                q_slot_BxT: jax.Array, valid_BxS: jax.Array, record_layers: tuple[int, ...],
-               attn_chunk: int, collect_codes: bool = False, kernels: str = "xla",
-               attention_kernel: str = "auto"):
-    K.check(kernels, cfg.act_dtype, attention_kernel)
-    self.cfg, self.recipe, self.kernels = cfg, recipe, kernels
-    self.attention_kernel = attention_kernel
+               attn_chunk: int, collect_codes: bool = False, ops=XLA):
+    self.cfg, self.recipe, self.ops = cfg, recipe, ops
     self.cache, self.start = cache, start
     self.q_slot, self.valid = q_slot_BxT, valid_BxS
     self.record_layers = frozenset(record_layers)
@@ -258,19 +251,19 @@ class RolloutPath:
     self.routes: list[jax.Array] = []
 
   def linear(self, x, w, layer, name):
-    y = K.linear(x, w) if self.kernels == "pallas" else None
-    return L.dense(x, unpack(w)) if y is None else y
+    y = self.ops.linear(x, w)
+    return L.dense(x, self.ops.dense(w)) if y is None else y
 
   def experts(self, x_MxD, w, group_sizes, layer, name):
-    y = K.experts(x_MxD, w, group_sizes) if self.kernels == "pallas" else None
-    return L.grouped(x_MxD, unpack(w), group_sizes) if y is None else y
+    y = self.ops.experts(x_MxD, w, group_sizes)
+    return L.grouped(x_MxD, self.ops.dense(w), group_sizes) if y is None else y
 
   def _quantize(self, x, layer, site):
     """-> (what to store: QArray or array, the values the engine computes with)."""
     fmt = self.recipe.site_format(site, layer, self.cfg.n_layers)
     if fmt is BF16:
       return x, x
-    fused = K.quantize(x, fmt) if self.kernels == "pallas" else None
+    fused = self.ops.quantize(x, fmt)
     qa, rec = fused if fused is not None else (quant.quantize(x, fmt), None)
     if layer in self.record_layers:
       _emit(self.records, layer, site, quant.make_record(qa) if rec is None else rec)
@@ -285,13 +278,13 @@ class RolloutPath:
     stored = tuple(self._quantize(a, layer, site)[0] for a, site in ((k, "k"), (v, "v")))
     cache = write_slots(self.cache[layer], stored, self.start)
     self.new_cache[layer] = cache
-    if self.kernels == "pallas" and q.shape[1] == 1:
+    if q.shape[1] == 1:
       slots = jnp.arange(self.valid.shape[1])
       mask = self.valid & (slots[None, :] <= self.q_slot[:, :1])
-      o = K.attention(q[:, 0], *cache, mask, backend=self.attention_kernel)
+      o = self.ops.attention(q[:, 0], *cache, mask)
       if o is not None:
         return o[:, None]
-    k_all, v_all = (unpack(c).astype(q.dtype) for c in cache)
+    k_all, v_all = (self.ops.dense(c).astype(q.dtype) for c in cache)
     return L.flash_decode_attention(q, k_all, v_all, self.q_slot, self.valid, self.attn_chunk)
 
   def route(self, probs, layer):

@@ -55,7 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.routing_replay = False
   # the rollout engine's matmuls and decode attention: xla | pallas (the Pallas kernels; GPU,
   # interpret mode elsewhere; MXFP4, NVFP4 and bf16 compute what XLA does up to the order of
-  # float32 sums: trace_jax.models.kernels)
+  # float32 sums: pallas_kernels.dispatch)
   c.rl.kernels = "xla"
   # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
   # Triton one otherwise, as measured) | triton | mosaic

@@ -67,7 +67,7 @@ class Run:
     self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
     self.eval_engine = engine(dataclasses.replace(sampling, temperature=0.0))
     self.sync = jax.jit(functools.partial(pack_weights, self.cfg, recipe=self.setup.rollout,
-                                          kernels=self.c.rl.kernels))
+                                          ops=self.engine.ops))
     self.codes = jax.jit(functools.partial(
         recompute, self.cfg, recipe=self.setup.train, temperature=c.rl.temperature,
         collect_codes=True, code_recipe=self.setup.rollout))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.models.config import ModelConfig
-from trace_jax.models.kernels import check as check_kernels
+from pallas_kernels.dispatch import make_ops
 from trace_jax.models.paths import RolloutPath, RolloutWeights, new_kv_cache, write_slots
 from trace_jax.models.qwen3_moe import forward
 from trace_jax.models.recipe import QuantRecipe, parse_layers
@@ -118,19 +118,18 @@ class RolloutEngine:
   quantized site's element codes (large; for the mismatch probe). `attn_chunk`: the sequence
   split of flash-decoding. `kernels`: "xla", or "pallas" for the Pallas matmul, decode
   attention and quantize-and-record kernels (GPU, or interpret mode elsewhere;
-  `trace_jax.models.kernels` says which run where and how their numbers relate to XLA's); the
-  Mosaic FP4 matmuls take weights packed for them (`pack_weights(..., kernels="pallas")`),
-  plainly packed ones run the Triton kernels. `attention_kernel`: the decode attention's
-  backend under "pallas": "auto" (the Mosaic kernel for MXFP4 caches on Hopper, the Triton one
-  otherwise, as measured: `trace_jax.models.kernels`), "triton" or "mosaic" (on Hopper; Triton
-  elsewhere).
+  `pallas_kernels.dispatch` says which run where and how their numbers relate to XLA's), made
+  into the ops object its path computes with (`self.ops`); the Mosaic FP4 matmuls take weights
+  packed for them (`pack_weights(..., ops=engine.ops)`), plainly packed ones run the Triton
+  kernels. `attention_kernel`: the decode attention's backend under "pallas": "auto" (the
+  Mosaic kernel for MXFP4 caches on Hopper, the Triton one otherwise, as measured), "triton" or
+  "mosaic" (on Hopper; Triton elsewhere).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
                records: str | Sequence[int] = "none", collect_codes: bool = False,
                attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "auto"):
-    check_kernels(kernels, cfg.act_dtype, attention_kernel)
-    self.kernels, self.attention_kernel = kernels, attention_kernel
+    self.ops = make_ops(kernels, attention_kernel, cfg.act_dtype)
     self.cfg, self.recipe, self.sampling = cfg, recipe, sampling
     self.record_layers = parse_layers(records, cfg.n_layers, what="records")
     self.collect_codes = collect_codes
@@ -200,8 +199,7 @@ class RolloutEngine:
 
   def _path(self, cache, start, q_slot_BxT, valid_BxS):
     return RolloutPath(self.cfg, self.recipe, cache, start, q_slot_BxT, valid_BxS,
-                       self.record_layers, self.attn_chunk, self.collect_codes, self.kernels,
-                       self.attention_kernel)
+                       self.record_layers, self.attn_chunk, self.collect_codes, self.ops)
 
   def _sample(self, key, logits_BxV):
     return sample(key, logits_BxV, self.sampling.temperature, self.sampling.top_p)

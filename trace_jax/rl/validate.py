@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from trace_jax.models.kernels import ATTENTION_KERNELS, KERNELS
+from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
 from trace_jax.models.recipe import parse_layers
 from trace_jax.quant import FORMATS
 from trace_jax.rl.grpo import CORRECTIONS

@@ -1,5 +1,8 @@
-"""The rollout engine's kernel switch: its projections, expert matmuls, one-token attention and
-FP4 quantization computed by XLA ("xla") or by the Pallas kernels of `pallas_kernels` ("pallas").
+"""The rollout engine's kernel backend: `make_ops(kernels, attention_kernel)` -> the ops object
+the rollout path computes with (`trace_jax.models.ops`): XLA's ("xla"), or `KernelOps`
+("pallas"), whose projections, expert matmuls, one-token attention and FP4 quantization run
+the Pallas kernels of `pallas_kernels` where they take the formats and sizes, and XLA's
+elsewhere. The choices and the thresholds measured on the H200 live here, with the kernels.
 
 Both compute the same numbers up to the order of float32 sums: the kernels decode each FP4 value
 to the bf16 that XLA's dequantization gives (NVFP4's global folded into each block scale in
@@ -12,7 +15,7 @@ records, by the fused quantize-and-record kernel (bit for bit the quant core's c
 records); other formats (fp8), and sizes the kernels' tiles do not fit, stay on XLA.
 
 Which kernel runs, as measured on the H200 (BENCHMARKS.md): FP4 weights packed for the kernels
-(`weight_layout`, applied by the weight sync `pack_weights(..., kernels="pallas")`) run the
+(`weight_layout`, applied by the weight sync `pack_weights(..., ops=KernelOps())`) run the
 Mosaic GPU kernels, which take them pre-tiled; weights packed plainly run the Triton ones, as do
 bf16 weights (below BF16_XLA_FROM tokens; XLA's dot from there on; bf16 experts always),
 the attention over bf16 and NVFP4 caches, the quantization of activations and K/V and, off
@@ -32,15 +35,16 @@ import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.decode_attention import mosaic as mosaic_attention
-from pallas_kernels.decode_attention.api import cache_format, default_splits
 from pallas_kernels.decode_attention.api import supports as supports_attention
+from pallas_kernels.decode_attention.cache import cache_format, default_splits
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
 from pallas_kernels.fp4_matmul import mosaic
 from pallas_kernels.fp4_matmul.layout import FORMATS as FP4_WEIGHT_FORMATS
-from pallas_kernels.fp4_matmul.layout import TiledFP4, tile
+from pallas_kernels.fp4_matmul.layout import TiledFP4, tile, untile
 from pallas_kernels.quantize_record import quantize_and_record
 from pallas_kernels.quantize_record.reference import FORMATS as _RECORD_FORMATS
+from trace_jax.models.ops import XLA, XlaOps
 from trace_jax.quant import QArray, Record
 from trace_jax.quant.formats import Format
 
@@ -51,14 +55,21 @@ _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mos
 _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
-def check(kernels: str, act_dtype, attention: str = "auto") -> None:
+def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16):
+  """The rollout path's ops for `kernels` ("xla" | "pallas") and, under "pallas", the decode
+  attention's backend ("auto" | "triton" | "mosaic"); act_dtype: the model's activations
+  (the kernels take bf16)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-  if attention not in ATTENTION_KERNELS:
-    raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {attention!r}")
-  if kernels == "pallas" and jnp.dtype(act_dtype) != jnp.bfloat16:
+  if attention_kernel not in ATTENTION_KERNELS:
+    raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
+                     f"{attention_kernel!r}")
+  if kernels == "xla":
+    return XLA
+  if jnp.dtype(act_dtype) != jnp.bfloat16:
     raise ValueError(f"the pallas kernels take bf16 activations; the model's dtype is "
                      f"{jnp.dtype(act_dtype).name}")
+  return KernelOps(attention_kernel)
 
 
 def _interpret() -> bool:
@@ -93,7 +104,7 @@ def _tiles(w) -> dict | None:
   return _bf16_tiles(w)
 
 
-def weight_layout(w):
+def _weight_layout(w):
   """A rollout weight in the layout its kernel reads: MXFP4 / NVFP4 projections the Mosaic GPU
   kernels take (N and K multiples of 64) tiled for them (`TiledFP4`, the same bytes permuted);
   anything else as it is. On a GPU without those kernels (not Hopper) nothing is tiled: the
@@ -112,7 +123,7 @@ def weight_layout(w):
 BF16_XLA_FROM = 64
 
 
-def linear(x: jax.Array, w) -> jax.Array | None:
+def _linear(x: jax.Array, w) -> jax.Array | None:
   """x [..., K] @ w [K, N] by a kernel, or None where no kernel takes w (or, for bf16 weights
   from BF16_XLA_FROM tokens on, where XLA's dot is the faster one)."""
   tiles = _tiles(w)
@@ -122,7 +133,7 @@ def linear(x: jax.Array, w) -> jax.Array | None:
   return matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles)
 
 
-def experts(x_MxD: jax.Array, w, group_sizes: jax.Array) -> jax.Array | None:
+def _experts(x_MxD: jax.Array, w, group_sizes: jax.Array) -> jax.Array | None:
   """Rows sorted by expert @ their expert's w [E, K, N] by a kernel, or None."""
   tiles = _tiles(w)
   if tiles is None:
@@ -131,7 +142,7 @@ def experts(x_MxD: jax.Array, w, group_sizes: jax.Array) -> jax.Array | None:
   return matmul(x_MxD, w, group_sizes, implementation="pallas", interpret=_interpret(), **tiles)
 
 
-def quantize(x: jax.Array, fmt: Format) -> tuple[QArray, Record] | None:
+def _quantize(x: jax.Array, fmt: Format) -> tuple[QArray, Record] | None:
   """x quantized along its last axis (an activation or a K/V site) and its record, by the fused
   quantize-and-record kernel, or None where the kernel takes no such format or size; the same
   codes, scales and record bits as `quant.quantize` and `quant.make_record`."""
@@ -157,8 +168,8 @@ def _mosaic_attention_runs() -> bool:
   return mosaic.available()  # the Mosaic kernels' GPU: Hopper
 
 
-def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
-              backend: str = "auto") -> jax.Array | None:
+def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
+               backend: str = "auto") -> jax.Array | None:
   """One query per sequence against the whole cache by the kernel, or None where no kernel
   takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit).
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
@@ -180,3 +191,33 @@ def attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
     return None
   return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", block_s=block_s,
                           interpret=_interpret())
+
+
+class KernelOps(XlaOps):
+  """The Pallas kernels where they take the formats and sizes (`_linear`, `_experts`,
+  `_attention`, `_quantize` say which), XLA elsewhere; weights laid out for them by the weight
+  sync (`_weight_layout`)."""
+
+  name = "pallas"
+
+  def __init__(self, attention_kernel: str = "auto"):
+    self.attention_kernel = attention_kernel
+
+  def weight_layout(self, w):
+    return _weight_layout(w)
+
+  def dense(self, w) -> jax.Array:
+    return super().dense(untile(w) if isinstance(w, TiledFP4) else w)
+
+  def linear(self, x, w):
+    return _linear(x, w)
+
+  def experts(self, x_MxD, w, group_sizes):
+    return _experts(x_MxD, w, group_sizes)
+
+  def attention(self, q_BxHxDh, k, v, mask_BxS):
+    return _attention(q_BxHxDh, k, v, mask_BxS, backend=self.attention_kernel)
+
+  def quantize(self, x, fmt):
+    return _quantize(x, fmt)
+

@@ -1,0 +1,45 @@
+"""The rollout path's operations, passed in: `XlaOps` computes everything with XLA; a kernel
+backend (`pallas_kernels.dispatch.KernelOps`) takes what its kernels take and leaves the rest
+to XLA. The model never chooses or imports a kernel: the engine hands its path one of these,
+built once from the config (`pallas_kernels.dispatch.make_ops`).
+
+Each op returns None where the backend does not compute it, and the path then computes it
+with XLA (`linear`, `experts`, `attention`, `quantize`); `weight_layout` is applied once by
+the weight sync (the layout the backend's matmuls read), `dense` turns any weight of that
+layout back into the array XLA multiplies by.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from trace_jax import quant
+from trace_jax.quant import QArray
+
+
+class XlaOps:
+  """Every rollout operation by XLA (the reference the kernels are checked against)."""
+
+  name = "xla"
+
+  def weight_layout(self, w):
+    return w
+
+  def dense(self, w) -> jax.Array:
+    """A rollout weight as a dense array (packed weights dequantized to float32)."""
+    return quant.dequantize(w) if isinstance(w, QArray) else w
+
+  def linear(self, x, w):
+    return None
+
+  def experts(self, x_MxD, w, group_sizes):
+    return None
+
+  def attention(self, q_BxHxDh, k, v, mask_BxS):
+    return None
+
+  def quantize(self, x, fmt):
+    return None
+
+
+XLA = XlaOps()
