@@ -102,7 +102,7 @@ def load(out: str, families=None) -> Results:
     path = os.path.join(out, name)
     if not os.path.exists(path):
       hint = (" (the ablation writes it with summary.json: rerun `python experiments/"
-              "ablation.py`, which resumes finished runs)") if name == CURVES else ""
+              "ablation.py`, which skips finished runs)") if name == CURVES else ""
       raise ResultsError(f"{path} is missing{hint}; nothing is drawn from partial results")
     with open(path) as fh:
       data[name] = json.load(fh)
