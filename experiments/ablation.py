@@ -2,35 +2,43 @@
 
     python experiments/ablation.py [--out=experiments/results] [--seeds=0] \
         [--families=reasoning,coding,long_horizon] [--modes=bf16,fp4_rollout,fp4_qat,trace,trace_all]
-    python experiments/ablation.py --figures_only   # redraw figures and table from summary.json
+    python experiments/ablation.py --figures_only   # redraw figures and table, no training
 
-For every family, mode and seed: one RL run (configs/<family>.py with a 3-layer policy, so that
-`trace` can keep the deepest layer's records while `trace_all` keeps all three). Rerunning the
-command resumes unfinished runs and skips finished ones. Then, per family:
+For every family, mode and seed: one RL run, `configs/ablation.py:family=F,mode=M,seed=S` in
+<out>/F/M/seedS (the same as `python -m trace_jax.main` with that config and workdir).
+Rerunning the command resumes unfinished runs and skips finished ones. Then, per family:
 
 - post-hoc FP4: the BF16-trained policy quantized to MXFP4 after training and evaluated by the
   FP4 rollout engine, against the FP4 policies the FP4 modes trained;
 - record bytes against the KL they buy: the trained trace_all policy probed on its task's eval
   prompts with records of none / last:1 / last:2 / all layers, routing replay off and on.
 
-Writes <out>/summary.json and the figures (experiments/figures/*.png); RESULTS.md quotes them.
+Writes <out>/summary.json (the table's numbers, each run's config and command, the commit and
+package versions), <out>/curves.json (experiments/curves.py: the per-run curves, small enough
+to commit) and the figures (experiments/figures/*.png), drawn from those two files alone;
+RESULTS.md quotes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
+import importlib.metadata
 import json
 import os
+import platform
+import subprocess
 import sys
 import time
 
 import jax
 import ml_collections
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-from experiments import figures  # noqa: E402
+from experiments import curves, figures  # noqa: E402
 from trace_jax import mismatch  # noqa: E402
 from trace_jax.models import QuantRecipe, pack_weights  # noqa: E402
 from trace_jax.rl.checkpoint import Checkpointer  # noqa: E402
@@ -38,24 +46,48 @@ from trace_jax.rl.episodes import greedy_accuracy  # noqa: E402
 from trace_jax.rl.loop import load_run, summarize, train  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine  # noqa: E402
 from trace_jax.rl.trainer import MODES  # noqa: E402
+from trace_jax.rl.validate import FAMILIES  # noqa: E402
+from trace_jax.rl.writer import read_metrics  # noqa: E402
 
-FAMILIES = ("reasoning", "coding", "long_horizon")
-# the CPU budget of one run per family (minutes on 2 cores): fewer RL steps than the defaults;
-# the 3-layer long-horizon policy needs twice the default SFT to learn the format (at 150 steps
-# its SFT loss was still falling steeply and greedy accuracy was 0.18-0.22)
-ABLATION = {"model.n_layers": 3, "rl.trace_layers": "last:1", "log.flip_rate_every": 5}
-STEPS = {"reasoning": {"rl.steps": 300}, "coding": {"rl.steps": 300},
-         "long_horizon": {"sft.steps": 300, "rl.steps": 200}}
+PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "numpy", "ml_dtypes", "optax",
+            "orbax-checkpoint", "flax", "ml-collections", "reasoning-gym", "tensorflow-datasets",
+            "grain", "matplotlib")
+
+
+def config_arg(family: str, mode: str, seed: int, smoke: bool = False) -> str:
+  return f"family={family},mode={mode},seed={seed}" + (",smoke" if smoke else "")
 
 
 def run_config(family: str, mode: str, seed: int, smoke: bool = False
                ) -> ml_collections.ConfigDict:
-  module = importlib.import_module(f"configs.{family}")
-  overrides = {**ABLATION, "rl.mode": mode, "seed": seed}
-  if not smoke:
-    overrides.update(STEPS[family])
-  variant = ",".join((["smoke"] if smoke else []) + [f"{k}={v}" for k, v in overrides.items()])
-  return module.get_config(variant)
+  """The run's config: configs/ablation.py, the one source of the ablation's settings."""
+  return importlib.import_module("configs.ablation").get_config(
+      config_arg(family, mode, seed, smoke))
+
+
+def provenance() -> dict:
+  """What produced the results: the commit (and whether the tree differed from it outside the
+  results), the package versions, the machine and the time."""
+  def git(*args):
+    try:
+      return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout
+      return None
+  changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                ":!experiments/results", ":!experiments/figures")
+  versions = {}
+  for name in PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return {"git_commit": git("rev-parse", "HEAD"),
+          "git_dirty": None if changed is None else bool(changed),
+          "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "python": platform.python_version(), "packages": versions,
+          "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+          "cpu_count": os.cpu_count()}
 
 
 def finished(workdir: str, c) -> bool:
@@ -91,25 +123,41 @@ def probe(workdir: str) -> list[dict]:
   return mismatch.probe_precision(run.cfg, state["params"], "mxfp4", prompts, pc)
 
 
+def run_results(family: str, mode: str, seed: int, workdir: str, c, smoke: bool = False
+                ) -> tuple[dict, dict]:
+  """A finished run's summary (with its config and the command that reproduces it) and its
+  curves, both from its metrics.jsonl."""
+  arg = config_arg(family, mode, seed, smoke)
+  command = (f"python -m trace_jax.main --config=configs/ablation.py:{arg} --workdir={workdir}"
+             + (f" --config.data_dir={c.data_dir}" if c.data_dir else ""))
+  summary = {**summarize(workdir, c), "config_arg": arg, "command": command,
+             "config": json.loads(c.to_json())}
+  return summary, curves.run_curves(read_metrics(workdir))
+
+
 def markdown_table(summary: dict, families) -> str:
-  """The RESULTS.md table: one row per family and mode (first seed), plus post-hoc FP4."""
+  """The RESULTS.md table: one row per family, mode and seed, plus post-hoc FP4, each with the
+  config (or command) that reproduces it."""
   f = lambda v, spec: "-" if v is None else spec.format(v)
   lines = ["| family | mode | reward first -> last | eval acc. (rollout precision) | "
-           "mismatch KL | flip rate | route flips | record B/token |",
-           "|---|---|---|---|---|---|---|---|"]
+           "mismatch KL | flip rate | route flips | record B/token | "
+           "`--config=configs/ablation.py:` |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for family in families:
     acc = summary[family]["final_eval_accuracy"]
     for key, s in summary[family]["runs"].items():
-      mode = key.split("/")[0]
+      mode, seed = key.split("/")[0], int(key.split("/seed")[1])
       lines.append(
           f"| {family} | {mode} | {f(s['reward_first'], '{:.3f}')} -> "
           f"{f(s['reward_last'], '{:.3f}')} | {f(s['eval_accuracy_before_rl'], '{:.3f}')} -> "
           f"{f(s['eval_accuracy_after'], '{:.3f}')} | {f(s['mismatch_kl_k3'], '{:.1e}')} | "
           f"{f(s['flip_rate'], '{:.4f}')} | {f(s.get('route_flip_rate'), '{:.4f}')} | "
-          f"{f(s['record_bytes_per_token'], '{:.0f}')} |")
+          f"{f(s['record_bytes_per_token'], '{:.0f}')} | "
+          f"`{s.get('config_arg', config_arg(family, mode, seed))}` |")
     if "bf16_posthoc_fp4" in acc:
       lines.append(f"| {family} | bf16 policy, MXFP4 post hoc | | -> "
-                   f"{f(acc['bf16_posthoc_fp4'], '{:.3f}')} | | | | |")
+                   f"{f(acc['bf16_posthoc_fp4'], '{:.3f}')} | | | | | "
+                   f"`experiments/ablation.py --families={family} --modes=bf16` |")
   return "\n".join(lines)
 
 
@@ -117,12 +165,15 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="experiments/results")
   parser.add_argument("--figures", default="experiments/figures")
-  parser.add_argument("--families", default=",".join(FAMILIES))
+  parser.add_argument("--families", default="",
+                      help=f"comma separated, of {FAMILIES}; default all (--figures_only: all "
+                           "the results hold)")
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--seeds", default="0")
   parser.add_argument("--smoke", action="store_true", help="a few steps per run (a check)")
   parser.add_argument("--figures_only", action="store_true",
-                      help="only redraw the figures and the table from <out>/summary.json")
+                      help="only redraw the figures and the table from <out>/summary.json and "
+                           "<out>/curves.json")
   parser.add_argument("--data_dir", default="", help="where TFDS datasets are prepared")
   args = parser.parse_args(argv)
   families = [f for f in args.families.split(",") if f]
@@ -133,11 +184,17 @@ def main(argv=None):
     parser.error(f"unknown families or modes {bad}; choose from {FAMILIES} and {MODES}")
 
   if args.figures_only:
-    return _report(figures.load_summary(args.out), families, args)
+    try:
+      data = figures.load(args.out, families)
+    except curves.ResultsError as e:
+      sys.exit(f"--figures_only: {e}")
+    return _report(data, args)
+  families = families or list(FAMILIES)
   start = time.time()
-  summary = {}
+  summary, runs = {"provenance": provenance()}, {}
   for family in families:
     summary[family] = {"runs": {}, "final_eval_accuracy": {}}
+    runs[family] = {}
     for mode in modes:
       for seed in seeds:
         c = run_config(family, mode, seed, args.smoke)
@@ -146,7 +203,9 @@ def main(argv=None):
         if not finished(workdir, c):
           print(f"== {family} / {mode} / seed {seed} -> {workdir}", flush=True)
           train(c, workdir, progress=False)
-        summary[family]["runs"][f"{mode}/seed{seed}"] = summarize(workdir, c)
+        key = f"{mode}/seed{seed}"
+        summary[family]["runs"][key], runs[family][key] = run_results(
+            family, mode, seed, workdir, c, args.smoke)
       first = os.path.join(args.out, family, mode, f"seed{seeds[0]}")
       summary[family]["final_eval_accuracy"][mode] = summary[family]["runs"][
           f"{mode}/seed{seeds[0]}"]["eval_accuracy_after"]
@@ -157,21 +216,17 @@ def main(argv=None):
     if "trace_all" in modes:
       summary[family]["probe"] = probe(os.path.join(args.out, family, "trace_all",
                                                     f"seed{seeds[0]}"))
-    with open(os.path.join(args.out, "summary.json"), "w") as fh:
-      json.dump(summary, fh, indent=1)
-  summary["runtime_s"] = time.time() - start
-  summary["jax"] = jax.__version__
-  with open(os.path.join(args.out, "summary.json"), "w") as fh:
-    json.dump(summary, fh, indent=1)
-  _report(summary, families, args)
+    summary["runtime_s"] = time.time() - start
+    curves.write(args.out, summary, runs)  # after every family: a stop keeps what is done
+  _report(figures.load(args.out, families), args)
   print(f"done in {summary['runtime_s'] / 60:.1f} min")
 
 
-def _report(summary: dict, families, args) -> None:
+def _report(data: curves.Results, args) -> None:
   """Figures (PNG) and the markdown table (printed and written to <out>/table.md)."""
-  for path in figures.make_all(args.out, args.figures, families):
+  for path in figures.make_all(args.out, args.figures, data.families):
     print("wrote", path)
-  table = markdown_table(summary, families)
+  table = markdown_table(data.summary, data.families)
   with open(os.path.join(args.out, "table.md"), "w") as fh:
     fh.write(table + "\n")
   print(table)

@@ -1,36 +1,40 @@
-"""Figures of the ablation, drawn from its results directory (runs' metrics.jsonl, summary.json).
+"""Figures of the ablation, drawn from its committed results: summary.json and curves.json only.
 
-Used by experiments/ablation.py (writes PNGs) and experiments/ablation.ipynb (shows them).
+Used by experiments/ablation.py (writes PNGs) and experiments/ablation.ipynb (shows them); every
+function takes what `load(out)` returns.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg by itself
 import numpy as np
 
+from experiments import curves as curves_file
+
 MODES = ("bf16", "fp4_rollout", "fp4_qat", "trace", "trace_all")
 COLORS = dict(zip(MODES, ("black", "tab:red", "tab:orange", "tab:blue", "tab:green")))
 
 
-def load_metrics(out: str, family: str, mode: str, seed: int = 0) -> list[dict]:
-  path = os.path.join(out, family, mode, f"seed{seed}", "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as fh:
-    return [json.loads(line) for line in fh if line.strip()]
+def load(out: str, families=None) -> curves_file.Results:
+  """summary.json and curves.json of a results directory; a missing or mismatched file raises
+  curves_file.ResultsError naming it."""
+  return curves_file.load(out, families)
 
 
-def load_summary(out: str) -> dict:
-  with open(os.path.join(out, "summary.json")) as fh:
-    return json.load(fh)
+def _runs(data, family, mode):
+  """The curves of every seed of one family and mode."""
+  return [r for key, r in sorted(data.curves["runs"][family].items())
+          if key.split("/")[0] == mode]
 
 
-def _series(rows, key, rl_only=True):
-  pts = [(r["step"], r[key]) for r in rows
-         if r.get(key) is not None and (not rl_only or r.get("phase") == "rl")]
+def _series(run, key):
+  """(steps, values) of one run's curve, the steps without a value left out."""
+  if key in curves_file.DENSE:
+    pts = [(run["rl_step0"] + i, v) for i, v in enumerate(run[key]) if v is not None]
+  else:
+    pts = [(s, v) for s, v in run[key] if v is not None]
   return np.array(pts).T if pts else (np.array([]), np.array([]))
 
 
@@ -40,10 +44,12 @@ def _smooth(y, k=20):
   return np.convolve(y, np.ones(k) / k, mode="valid")
 
 
-def _seeds(out, family, mode):
-  d = os.path.join(out, family, mode)
-  return sorted(int(s[4:]) for s in os.listdir(d) if s.startswith("seed")) if os.path.isdir(
-      d) else []
+def _mean_over_seeds(vectors):
+  vectors = [np.array([np.nan if v is None else v for v in vec], float) for vec in vectors if vec]
+  if not vectors:
+    return np.array([])
+  n = min(len(v) for v in vectors)
+  return np.nanmean([v[:n] for v in vectors], axis=0)
 
 
 def _panels(families):
@@ -65,12 +71,12 @@ def _finish(fig, axes_families, xlabel, ylabel, log=False):
   return fig
 
 
-def curves(out: str, families, key: str, ylabel: str, log: bool = False, smooth: int = 20):
+def curves(data, key: str, ylabel: str, log: bool = False, smooth: int = 20):
   """One panel per family: `key` against step for every mode (mean over seeds, smoothed)."""
-  fig, panels = _panels(families)
+  fig, panels = _panels(data.families)
   for ax, family in panels:
     for mode in MODES:
-      runs = [_series(load_metrics(out, family, mode, s), key) for s in _seeds(out, family, mode)]
+      runs = [_series(r, key) for r in _runs(data, family, mode)]
       runs = [r for r in runs if len(r[0])]
       if not runs:
         continue
@@ -83,46 +89,40 @@ def curves(out: str, families, key: str, ylabel: str, log: bool = False, smooth:
   return _finish(fig, panels, "step", ylabel, log)
 
 
-def flip_rate_per_layer(out: str, families):
+def flip_rate_per_layer(data):
   """Mean flip rate of each layer's quantized sites over the run's diagnostic steps."""
-  fig, panels = _panels(families)
+  fig, panels = _panels(data.families)
   for ax, family in panels:
-    modes = [m for m in MODES if m != "bf16" and load_metrics(out, family, m)]
-    for j, mode in enumerate(modes):
-      rows = [r for r in load_metrics(out, family, mode) if "mismatch/flip_rate" in r]
-      keys = sorted({k for r in rows for k in r if k.startswith("mismatch/flip_rate/")})
-      layers = sorted({int(k.rsplit("_", 1)[1]) for k in keys})
-      rates = [np.mean([r[k] for r in rows for k in keys if k.endswith(f"layer_{i}")])
-               for i in layers]
-      width = 0.8 / max(len(modes), 1)
-      ax.bar(np.array(layers) + j * width, rates, width, color=COLORS[mode], label=mode)
-      ax.set_xticks(np.array(layers) + 0.4 - width / 2, [str(i) for i in layers])
+    rates = {m: _mean_over_seeds([r["flip_rate_by_layer"] for r in _runs(data, family, m)])
+             for m in MODES if m != "bf16"}
+    rates = {m: y for m, y in rates.items() if len(y)}
+    width = 0.8 / max(len(rates), 1)
+    for j, (mode, y) in enumerate(rates.items()):
+      layers = np.arange(len(y))
+      ax.bar(layers + j * width, y, width, color=COLORS[mode], label=mode)
+      ax.set_xticks(layers + 0.4 - width / 2, [str(i) for i in layers])
   return _finish(fig, panels, "layer", "flip rate")
 
 
-def kl_by_position(out: str, families, last: int = 100):
-  """mismatch/kl_k3_by_position over the last `last` RL steps, per mode."""
-  fig, panels = _panels(families)
+def kl_by_position(data):
+  """mismatch/kl_k3_by_position over the last curves.KL_WINDOW RL steps, per mode."""
+  fig, panels = _panels(data.families)
   for ax, family in panels:
     for mode in MODES:
-      rows = [r for r in load_metrics(out, family, mode)
-              if r.get("mismatch/kl_k3_by_position")][-last:]
-      if not rows:
+      y = _mean_over_seeds([r["mismatch/kl_k3_by_position"] for r in _runs(data, family, mode)])
+      if not len(y):
         continue
-      buckets = np.array([[np.nan if v is None else v for v in r["mismatch/kl_k3_by_position"]]
-                          for r in rows])
-      y = np.nanmean(buckets, axis=0)
       x = (np.arange(len(y)) + 0.5) / len(y)
       ax.plot(x, np.maximum(y, 1e-12), "o-", color=COLORS[mode], label=mode)
   return _finish(fig, panels, "response position (fraction of the response)", "KL (k3)",
                  log=True)
 
 
-def bytes_vs_kl(summary: dict, families):
+def bytes_vs_kl(data):
   """Record bytes per token against the KL they buy (probe of the trained trace_all policy)."""
-  fig, panels = _panels(families)
+  fig, panels = _panels(data.families)
   for ax, family in panels:
-    rows = summary.get(family, {}).get("probe", [])
+    rows = data.summary[family].get("probe", [])
     for replay, marker in ((False, "o"), (True, "s")):
       pts = [(r["record/bytes_per_token"], r["mismatch/kl_k3"], r["records"]) for r in rows
              if r["routing_replay"] == replay]
@@ -137,15 +137,16 @@ def bytes_vs_kl(summary: dict, families):
   return _finish(fig, panels, "record bytes per token", "KL (k3)", log=True)
 
 
-def final_accuracy(summary: dict, families):
+def final_accuracy(data):
   """FP4 eval accuracy: TRACE-trained FP4 policies against post-hoc FP4 of the BF16 policy."""
   bars = [("bf16 policy, bf16", "bf16_bf16"), ("bf16 policy, FP4 post-hoc", "bf16_posthoc_fp4"),
           ("fp4_rollout, FP4", "fp4_rollout"), ("fp4_qat, FP4", "fp4_qat"),
           ("trace, FP4", "trace"), ("trace_all, FP4", "trace_all")]
+  families = data.families
   fig, ax = plt.subplots(figsize=(2.2 * len(families) + 4.5, 3.6))
   width = 0.8 / len(bars)
   for j, (label, key) in enumerate(bars):
-    ys = [summary.get(f, {}).get("final_eval_accuracy", {}).get(key, np.nan) for f in families]
+    ys = [data.summary[f]["final_eval_accuracy"].get(key, np.nan) for f in families]
     ax.bar(np.arange(len(families)) + j * width, ys, width, label=label)
   ax.set_xticks(np.arange(len(families)) + 0.4 - width / 2, families)
   ax.set_ylabel("greedy eval accuracy")
@@ -155,20 +156,25 @@ def final_accuracy(summary: dict, families):
   return fig
 
 
-def make_all(out: str, figures_dir: str, families) -> list[str]:
+FIGURES = {  # name: how it is drawn; every one of them is in RESULTS.md
+    "reward_vs_step": lambda d: curves(d, "reward/mean", "train reward"),
+    "kl_vs_step": lambda d: curves(d, "mismatch/kl_k3", "mismatch KL (k3)", log=True),
+    "flip_rate_vs_step": lambda d: curves(d, "mismatch/flip_rate", "flip rate", smooth=3),
+    "flip_rate_per_layer": flip_rate_per_layer,
+    "kl_by_position": kl_by_position,
+    "record_bytes_vs_kl": bytes_vs_kl,
+    "final_accuracy": final_accuracy,
+}
+
+
+def make_all(out: str, figures_dir: str, families=None) -> list[str]:
+  """Every figure of FIGURES, from `out`'s summary.json and curves.json; checks them before
+  drawing, so a missing file leaves the figures there untouched."""
+  data = load(out, families)
   os.makedirs(figures_dir, exist_ok=True)
-  summary = load_summary(out)
-  figs = {
-      "reward_vs_step": curves(out, families, "reward/mean", "train reward"),
-      "kl_vs_step": curves(out, families, "mismatch/kl_k3", "mismatch KL (k3)", log=True),
-      "flip_rate_vs_step": curves(out, families, "mismatch/flip_rate", "flip rate", smooth=3),
-      "flip_rate_per_layer": flip_rate_per_layer(out, families),
-      "kl_by_position": kl_by_position(out, families),
-      "record_bytes_vs_kl": bytes_vs_kl(summary, families),
-      "final_accuracy": final_accuracy(summary, families),
-  }
   paths = []
-  for name, fig in figs.items():
+  for name, draw in FIGURES.items():
+    fig = draw(data)
     path = os.path.join(figures_dir, f"{name}.png")
     fig.savefig(path, dpi=90)
     plt.close(fig)

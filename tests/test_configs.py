@@ -32,3 +32,21 @@ def test_config_loads_with_every_variant(path):
     module.get_config("nope")
   with pytest.raises(ValueError, match="unknown config key 'nope'"):
     module.get_config("nope=1")
+
+
+def test_ablation_config_is_the_family_config_resized():
+  ablation, coding = load(CONFIGS[0].parent / "ablation.py"), load(CONFIGS[0].parent / "coding.py")
+  c = ablation.get_config("family=coding,mode=fp4_qat,seed=2")
+  base = coding.get_config()
+  assert (c.task.family, c.rl.mode, c.seed) == ("coding", "fp4_qat", 2)
+  assert (c.model.n_layers, c.rl.trace_layers, c.log.flip_rate_every) == (3, "last:1", 5)
+  assert (c.sft.steps, c.rl.steps) == (base.sft.steps, 300)
+  assert c.max_prompt_len == base.max_prompt_len  # the family's own values stay
+  lh = ablation.get_config("family=long_horizon,mode=trace")
+  assert (lh.task.family, lh.sft.steps, lh.rl.steps, lh.seed) == ("long_horizon", 300, 200, 0)
+  assert ablation.get_config().task.family == "reasoning"
+  # later parts win over the ablation's values: smoke sizes, then any key
+  smoke = ablation.get_config("family=long_horizon,smoke,rl.steps=6")
+  assert (smoke.sft.steps, smoke.rl.steps, smoke.log.flip_rate_every) == (3, 6, 2)
+  with pytest.raises(ValueError, match="unknown ablation family 'chess'.*long_horizon"):
+    ablation.get_config("family=chess")

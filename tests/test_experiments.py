@@ -3,23 +3,14 @@ rollout benchmark on CPU (its kernels interpreted)."""
 
 import json
 import os
+import shutil
 
 import pytest
 
-from experiments import ablation, bench_rollout
+from experiments import ablation, bench_rollout, figures
+from tests.test_results import NOTEBOOK, assert_summary_matches_curves, execute_notebook
 
 pytestmark = pytest.mark.slow  # minutes: short RL runs, a probe, an interpreted benchmark
-
-
-def run_notebook(path, out):
-  """Executes the notebook's code cells with OUT pointed at `out`."""
-  scope = {}
-  with open(path) as fh:
-    cells = [c for c in json.load(fh)["cells"] if c["cell_type"] == "code"]
-  for cell in cells:
-    exec("".join(cell["source"]).replace("OUT = 'experiments/results' if",
-                                         f"OUT = {out!r} if"), scope)
-  return scope
 
 
 def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path):
@@ -38,14 +29,23 @@ def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path):
                            "final_accuracy"))
   table = open(os.path.join(out, "table.md")).read()
   assert "| reasoning | trace_all |" in table and "MXFP4 post hoc" in table
+  data = figures.load(out)
+  assert_summary_matches_curves(data.summary, data.curves)
+  run = data.summary["reasoning"]["runs"]["trace_all/seed0"]
+  assert run["config"] == json.loads(ablation.run_config("reasoning", "trace_all", 0, True)
+                                     .to_json()) | {"data_dir": str(tmp_path / "tfds")}
+  fresh = tmp_path / "fresh"  # the two files alone, as a fresh clone holds them
+  fresh.mkdir()
+  for name in ("summary.json", "curves.json"):
+    shutil.copy(os.path.join(out, name), fresh / name)
   # rerunning skips the finished runs
   ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=reasoning",
                  "--modes=bf16", f"--data_dir={tmp_path / 'tfds'}"])
   os.remove(os.path.join(out, "table.md"))
   ablation.main(["--figures_only", f"--out={out}", f"--figures={figs}", "--families=reasoning"])
   assert "| reasoning | bf16 |" in open(os.path.join(out, "table.md")).read()
-  scope = run_notebook(os.path.join(os.path.dirname(ablation.__file__), "ablation.ipynb"), out)
-  assert scope["FAMILIES"] == ["reasoning"]
+  artists = execute_notebook(NOTEBOOK, tmp_path / "notebook_figures", out=fresh)
+  assert len(artists) == len(figures.FIGURES) and all(n > 0 for f in artists for n in f)
 
 
 def test_bench_rollout_runs_its_variants():

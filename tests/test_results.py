@@ -1,0 +1,259 @@
+"""The ablation's committed results: the curves file, figures and notebook drawn from it alone,
+and the committed files' agreement with each other."""
+
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from experiments import ablation, curves, figures
+from trace_jax.rl.writer import MetricsWriter
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS, FIGURES = ROOT / "experiments" / "results", ROOT / "experiments" / "figures"
+NOTEBOOK = ROOT / "experiments" / "ablation.ipynb"
+SITES = ("attn_in", "attn_out", "moe_in", "moe_mid", "k", "v")
+# RESULTS.md says this of its figures while the committed results cannot redraw them
+NOTICE = "drawn before `experiments/results/curves.json` existed"
+
+
+def fake_run(workdir, mode, sft=6, rl=24, flip_every=5, layers=3, seed=0):
+  """metrics.jsonl as the loop writes it: warm-start rows, then RL rows with the mismatch
+  metrics, code flips every `flip_every` RL steps (none in bf16), evaluations now and then."""
+  rng = np.random.default_rng([seed, ablation.MODES.index(mode)])
+  os.makedirs(workdir, exist_ok=True)
+  writer = MetricsWriter(str(workdir), tensorboard=False)
+  for step in range(sft + rl):
+    row = {"phase": "sft" if step < sft else "rl", "train/loss": float(rng.uniform(1, 2))}
+    if step >= sft:
+      kl = 10 ** rng.uniform(-9, -2) * (1 if rng.uniform() < 0.8 else -1)  # float32 noise
+      buckets = list(10 ** rng.uniform(-6, -2, 4))
+      buckets[3] = None if step % 7 == 0 else buckets[3]  # a bucket no response reached
+      row.update({"reward/mean": float(rng.uniform()), "mismatch/kl_k3": kl,
+                  "mismatch/route_flip_rate": float(rng.uniform(0, 0.1)),
+                  "mismatch/kl_k3_by_position": buckets})
+      if mode != "bf16" and (step - sft) % flip_every == 0:
+        sites = {f"mismatch/flip_rate/{s}/layer_{i}": float(rng.uniform(0, 0.1 * (i + 1)))
+                 for i in range(layers) for s in SITES}
+        row.update(sites)
+        row["mismatch/flip_rate"] = float(np.mean(list(sites.values())))
+    if step in (sft - 1, sft + rl // 2, sft + rl - 1):
+      row["eval/accuracy"] = float(rng.uniform())
+    writer.write(step, row)
+  writer.close()
+
+
+def fake_results(out, families=("reasoning", "long_horizon"), modes=ablation.MODES, sft=6):
+  """A results directory as the ablation leaves it, from fake runs through the ablation's own
+  summary and curves code; the runs' directories removed, as in a fresh clone."""
+  summary, runs = {"provenance": ablation.provenance(), "runtime_s": 1.0}, {}
+  for family in families:
+    summary[family] = {"runs": {}, "final_eval_accuracy": {}, "probe": [
+        {"records": r, "routing_replay": replay, "record/bytes_per_token": b,
+         "mismatch/kl_k3": kl / (10 if replay else 1)}
+        for r, b, kl in (("none", 0, 1e-2), ("last:1", 120, 1e-3), ("all", 360, 1e-9))
+        for replay in (False, True)]}
+    runs[family] = {}
+    for mode in modes:
+      workdir = os.path.join(out, family, mode, "seed0")
+      fake_run(workdir, mode, sft=sft)
+      c = ablation.run_config(family, mode, 0, smoke=True)
+      c.sft.steps = sft
+      summary[family]["runs"][f"{mode}/seed0"], runs[family][f"{mode}/seed0"] = (
+          ablation.run_results(family, mode, 0, workdir, c, smoke=True))
+      summary[family]["final_eval_accuracy"][mode] = summary[family]["runs"][
+          f"{mode}/seed0"]["eval_accuracy_after"]
+    summary[family]["final_eval_accuracy"].update(bf16_bf16=0.5, bf16_posthoc_fp4=0.4)
+    shutil.rmtree(os.path.join(out, family))
+  curves.write(out, summary, runs)
+  return summary
+
+
+def execute_notebook(notebook, figures_dir, out=None, cwd=None) -> list[list[int]]:
+  """Runs the notebook's code cells top to bottom in a fresh interpreter with a headless
+  matplotlib (no Jupyter kernel needed) and saves every figure it drew to `figures_dir`;
+  returns, per figure, the number of artists on each of its axes."""
+  script = textwrap.dedent("""
+      import json, os, sys
+      import matplotlib
+      matplotlib.use("Agg")
+      import matplotlib.pyplot as plt
+      notebook, figures_dir = sys.argv[1:3]
+      scope = {"__name__": "__main__"}
+      for cell in json.load(open(notebook))["cells"]:
+        if cell["cell_type"] == "code":
+          exec(compile("".join(cell["source"]), notebook, "exec"), scope)
+      artists = []
+      for num in plt.get_fignums():
+        fig = plt.figure(num)
+        fig.savefig(os.path.join(figures_dir, f"figure_{num}.png"))
+        artists.append([len(a.lines) + len(a.patches) + len(a.collections) for a in fig.axes])
+      print(json.dumps(artists))
+      """)
+  env = {k: v for k, v in os.environ.items() if k != "ABLATION_RESULTS"}
+  env.update({"MPLBACKEND": "Agg", **({"ABLATION_RESULTS": str(out)} if out else {})})
+  os.makedirs(figures_dir, exist_ok=True)
+  proc = subprocess.run([sys.executable, "-c", script, str(notebook), str(figures_dir)],
+                        cwd=cwd or NOTEBOOK.parent, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_summary_matches_curves(summary, curves_json):
+  """The table's numbers (trace_jax.rl.loop.summarize, over the runs' metrics) recomputed
+  from the curves: both files describe the same runs."""
+  def close(a, b, scale):
+    assert (a is None) == (b is None), (a, b)
+    assert a is None or math.isclose(a, b, rel_tol=0, abs_tol=1e-3 * scale + 1e-12), (a, b)
+
+  mean = lambda vs: sum(vs) / len(vs) if vs else None
+  for family, runs in curves_json["runs"].items():
+    assert set(runs) == set(summary[family]["runs"])
+    for key, run in runs.items():
+      s = summary[family]["runs"][key]
+      reward = [v for v in run["reward/mean"] if v is not None]
+      n = max(1, min(10, len(run["reward/mean"]) // 4))  # summarize's first/last window
+      close(mean(reward[:n]), s["reward_first"], 1)
+      close(mean(reward[-n:]), s["reward_last"], 1)
+      for name, ckey in (("mismatch_kl_k3", "mismatch/kl_k3"),
+                         ("route_flip_rate", "mismatch/route_flip_rate")):
+        values = [v for v in run[ckey] if v is not None]
+        close(mean(values), s[name], mean([abs(v) for v in values]) or 0)
+      close(mean([v for _, v in run["mismatch/flip_rate"]]), s["flip_rate"], 1)
+      evals = dict(run["eval/accuracy"])
+      assert evals[run["rl_step0"] - 1] == pytest.approx(s["eval_accuracy_before_rl"], abs=1e-4)
+      assert run["eval/accuracy"][-1][1] == pytest.approx(s["eval_accuracy_after"], abs=1e-4)
+
+
+def test_curves_hold_what_the_figures_draw(tmp_path, monkeypatch):
+  fake_run(tmp_path, "trace", sft=6, rl=24)
+  monkeypatch.setattr(curves, "KL_WINDOW", 10)
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  run = curves.run_curves(rows)
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert run["rl_step0"] == 6 and len(run["reward/mean"]) == len(rl) == 24
+  assert run["mismatch/kl_k3"][3] == float(f"{rl[3]['mismatch/kl_k3']:.4g}")
+  assert [s for s, _ in run["mismatch/flip_rate"]] == [6, 11, 16, 21, 26]
+  assert [s for s, _ in run["eval/accuracy"]] == [5, 18, 29]  # the warm start's last included
+  last = np.array([[np.nan if v is None else v for v in r["mismatch/kl_k3_by_position"]]
+                   for r in rl[-10:]])
+  np.testing.assert_allclose(run["mismatch/kl_k3_by_position"], np.nanmean(last, 0), rtol=1e-3)
+  diag = [r for r in rl if "mismatch/flip_rate" in r]
+  for i in range(3):
+    want = np.mean([r[f"mismatch/flip_rate/{s}/layer_{i}"] for r in diag for s in SITES])
+    assert run["flip_rate_by_layer"][i] == pytest.approx(want, rel=1e-3)
+  assert curves.run_curves(rows[:6])["reward/mean"] == []  # no RL step yet
+
+
+def test_results_are_one_summary_and_one_small_curves_file(tmp_path):
+  out = tmp_path / "results"
+  summary = fake_results(str(out))
+  assert sorted(os.listdir(out)) == ["curves.json", "summary.json"]
+  data = figures.load(str(out))
+  assert data.families == ["reasoning", "long_horizon"]
+  assert_summary_matches_curves(data.summary, data.curves)
+  prov = data.summary["provenance"]
+  assert {"jax", "jaxlib", "numpy", "optax", "orbax-checkpoint", "ml-collections",
+          "reasoning-gym"} <= set(prov["packages"])
+  if (ROOT / ".git").exists():
+    assert re.fullmatch(r"[0-9a-f]{40}", prov["git_commit"]) and prov["git_dirty"] in (0, 1)
+  # each run names its config and the one command that reruns it
+  run = summary["long_horizon"]["runs"]["trace/seed0"]
+  assert run["command"].startswith(
+      "python -m trace_jax.main --config=configs/ablation.py:family=long_horizon,mode=trace,")
+  assert run["config"]["rl"]["mode"] == "trace" and run["config"]["model"]["n_layers"] == 3
+  table = ablation.markdown_table(summary, data.families)
+  assert "`family=long_horizon,mode=trace,seed=0,smoke` |" in table
+  assert "`experiments/ablation.py --families=reasoning --modes=bf16` |" in table
+
+
+def test_figures_only_draws_from_the_two_files_and_refuses_without_them(tmp_path, capsys):
+  out, figs = tmp_path / "results", tmp_path / "figures"
+  out.mkdir()
+  figs.mkdir()
+  shutil.copy(RESULTS / "summary.json", out / "summary.json")
+  (figs / "reward_vs_step.png").write_bytes(b"the committed figure")
+  with pytest.raises(SystemExit, match=r"^--figures_only: \S+curves.json is missing"):
+    ablation.main(["--figures_only", f"--out={out}", f"--figures={figs}"])
+  assert (figs / "reward_vs_step.png").read_bytes() == b"the committed figure"
+  assert sorted(os.listdir(out)) == ["summary.json"]  # no table.md either
+
+
+def test_figures_refuse_a_summary_and_curves_of_different_runs(tmp_path):
+  out = tmp_path / "results"
+  fake_results(str(out), families=("coding",), modes=("bf16", "trace"))
+  with pytest.raises(curves.ResultsError, match="families \\['reasoning'\\] are not in"):
+    figures.load(str(out), ["reasoning"])
+  summary = json.loads((out / "summary.json").read_text())
+  summary["provenance"]["written"] = "another time"
+  (out / "summary.json").write_text(json.dumps(summary))
+  with pytest.raises(curves.ResultsError, match="come from different invocations"):
+    figures.load(str(out))
+
+
+def test_notebook_runs_top_to_bottom_on_the_results_files_alone(tmp_path):
+  out = tmp_path / "results"
+  fake_results(str(out))
+  artists = execute_notebook(NOTEBOOK, tmp_path / "figures", out=out)
+  assert len(artists) == len(figures.FIGURES)
+  assert all(n > 0 for fig in artists for n in fig), artists  # no empty axes
+  paths = figures.make_all(str(out), str(tmp_path / "script_figures"))
+  assert [os.path.basename(p) for p in paths] == [f"{n}.png" for n in figures.FIGURES]
+
+
+def check_committed(root: pathlib.Path, tmp_path) -> None:
+  """The committed PNGs of `root` are the figures its committed results draw; until curves.json
+  is committed RESULTS.md says they predate it and --figures_only refuses to overwrite them."""
+  results, figs = root / "experiments" / "results", root / "experiments" / "figures"
+  assert sorted(p.name for p in figs.glob("*.png")) == sorted(f"{n}.png" for n in figures.FIGURES)
+  results_md = (root / "RESULTS.md").read_text()
+  for name in figures.FIGURES:
+    assert f"(experiments/figures/{name}.png)" in results_md
+  if not (results / "curves.json").exists():
+    assert NOTICE in results_md and "python experiments/ablation.py" in results_md
+    with pytest.raises(SystemExit, match="curves.json is missing"):
+      ablation.main(["--figures_only", f"--out={results}", f"--figures={tmp_path}"])
+    return
+  assert NOTICE not in results_md
+  assert (results / "curves.json").stat().st_size < 250_000
+  data = figures.load(str(results))
+  assert_summary_matches_curves(data.summary, data.curves)
+  assert data.summary["provenance"]["git_commit"]
+  import matplotlib.image
+  for path in figures.make_all(str(results), str(tmp_path / "redrawn")):
+    committed = figs / os.path.basename(path)
+    assert matplotlib.image.imread(path).shape == matplotlib.image.imread(committed).shape, path
+  artists = execute_notebook(root / "experiments" / "ablation.ipynb", tmp_path / "notebook",
+                             cwd=root / "experiments")  # on the committed results
+  assert len(artists) == len(figures.FIGURES) and all(n > 0 for f in artists for n in f)
+
+
+def test_committed_figures_and_results_agree(tmp_path):
+  check_committed(ROOT, tmp_path)
+
+
+def test_the_check_holds_once_a_full_run_is_committed(tmp_path):
+  """check_committed on a clone holding what the next full run commits: the two files, the
+  figures drawn from them, RESULTS.md without the notice; and a figure of another run fails."""
+  root = tmp_path / "clone"
+  (root / "experiments").mkdir(parents=True)
+  for name in ("__init__.py", "curves.py", "figures.py", "ablation.ipynb"):
+    shutil.copy(ROOT / "experiments" / name, root / "experiments" / name)
+  fake_results(str(root / "experiments" / "results"))
+  figures.make_all(str(root / "experiments" / "results"), str(root / "experiments" / "figures"))
+  (root / "RESULTS.md").write_text("".join(
+      f"![{n}](experiments/figures/{n}.png)\n" for n in figures.FIGURES))
+  check_committed(root, tmp_path / "check")
+  shutil.copy(root / "experiments" / "figures" / "final_accuracy.png",
+              root / "experiments" / "figures" / "kl_vs_step.png")
+  with pytest.raises(AssertionError, match="kl_vs_step.png"):
+    check_committed(root, tmp_path / "check_again")
