@@ -15,8 +15,10 @@ batch size, the rollout engine decodes `steps` tokens per sequence after `contex
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
 its content), so no prefill of B x 4K tokens is needed; `--slots` makes the cache longer than
-what it holds, as a rollout's is; the policy is a random init (what is timed does not depend on
-the weights' values).
+what it holds, as a rollout's is; the policy's rollout weights are random, built packed layer by
+layer without float32 master params (`random_weights`: what is timed does not depend on the
+weights' values, and the full 48 layers fit). `--sync` also times the weight sync
+(`pack_weights` from float32 master params) on a few layers, per layer.
 
 Reported per row: decode tokens/s (B x steps / wall seconds of the loop, one dispatch), the
 bytes one decode step must move (weights of the attention and of the experts the batch can hit
@@ -30,6 +32,7 @@ bench_rollout.json and prints a table; BENCHMARKS.md quotes it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -86,7 +89,57 @@ def _unit_scales(c):
   if not isinstance(c, QArray):
     return c
   one = 127 if c.fmt.name == "mxfp4" else 0x38
-  return QArray(c.codes, jnp.full_like(c.scales, one), c.global_scale, c.fmt, c.axis)
+  g = None if c.global_scale is None else jnp.ones_like(c.global_scale)
+  return QArray(c.codes, jnp.full_like(c.scales, one), g, c.fmt, c.axis)
+
+
+def random_weights(cfg, recipe, ops, key):
+  """Rollout weights of `cfg` as `pack_weights` lays them out for `ops`, random: FP4 codes
+  random with unit scales, bf16 normals x 0.02, norms 1; made layer by layer without master
+  params (a 48-layer qwen3_30b_a3b in float32 would not fit next to its rollout weights)."""
+  one = dataclasses.replace(cfg, n_layers=1)
+  params = jax.eval_shape(lambda k: init_params(one, k), jax.random.PRNGKey(0))
+  shapes = jax.eval_shape(lambda p: pack_weights(one, p, recipe), params)
+
+  def fill(k, a):
+    if a.dtype == jnp.uint8:
+      return jax.random.bits(k, a.shape, jnp.uint8)
+    return (jax.random.normal(k, a.shape) * 0.02).astype(a.dtype)
+
+  @jax.jit
+  def layer(k):
+    leaves, tree = jax.tree.flatten(shapes.layers[0])
+    made = jax.tree.unflatten(tree, [fill(jax.random.fold_in(k, i), a)
+                                     for i, a in enumerate(leaves)])
+    made = {n: _unit_scales(v) if isinstance(v, QArray) else v for n, v in made.items()}
+    for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+      made[n] = jnp.ones_like(made[n])
+    return {n: ops.weight_layout(v) if isinstance(v, QArray) else v for n, v in made.items()}
+
+  layers = [jax.block_until_ready(layer(jax.random.fold_in(key, i)))
+            for i in range(cfg.n_layers)]
+  dt = cfg.act_dtype
+  embed = fill(jax.random.fold_in(key, cfg.n_layers), shapes.embed)
+  head = (None if shapes.lm_head is None
+          else fill(jax.random.fold_in(key, cfg.n_layers + 1), shapes.lm_head))
+  return type(shapes)(embed=embed.astype(dt), layers=layers,
+                      final_norm=jnp.ones(shapes.final_norm.shape, shapes.final_norm.dtype),
+                      lm_head=head)
+
+
+def sync_seconds(cfg, recipe, ops, layers: int = 2, reps: int = 3) -> float:
+  """Seconds per layer of the weight sync (`pack_weights` from float32 master params, laid out
+  for `ops`), timed on `layers` layers (the median of `reps` calls after one compile)."""
+  few = dataclasses.replace(cfg, n_layers=layers)
+  params = init_params(few, jax.random.PRNGKey(0))
+  sync = jax.jit(lambda p: pack_weights(few, p, recipe, ops=ops))
+  jax.block_until_ready(sync(params))
+  samples = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(sync(params))
+    samples.append(time.perf_counter() - t0)
+  return float(np.median(samples)) / layers
 
 
 def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps: int, key,
@@ -166,7 +219,7 @@ def _top(split: dict, top: int = 12) -> dict:
 
 def run(layers: int, batches: list[int], context: int, steps: int, variants: list[str],
         preset: str = "qwen3_30b_a3b", profile: bool = False, hlo_dir: str | None = None,
-        slots: int | None = None) -> dict:
+        slots: int | None = None, sync: bool = False) -> dict:
   cfg = model_preset(preset, n_layers=layers)
   copy = copy_bandwidth()
   device = jax.devices()[0]
@@ -174,8 +227,8 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   result = {"device": str(device.device_kind), "jax": jax.__version__, "preset": preset,
             "layers": layers,
             "context": context, "steps": steps, "slots": slots, "copy_bytes_per_s": copy,
-            "memory_bytes": memory, "rows": [], "max_batch": {}, "errors": []}
-  params = init_params(cfg, jax.random.PRNGKey(0))
+            "memory_bytes": memory, "rows": [], "max_batch": {}, "sync_s_per_layer": {},
+            "errors": []}
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
@@ -183,9 +236,15 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
     layout = "pallas" if kernels == "pallas" else "xla"  # "triton": FP4 weights packed plainly
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
+    ops = make_ops(layout)
     if (precision, layout) not in packed:  # one packing alive at a time
-      packed = {(precision, layout): jax.block_until_ready(
-          pack_weights(cfg, params, recipe, ops=make_ops(layout)))}
+      packed = {}
+      packed[precision, layout] = random_weights(cfg, recipe, ops, jax.random.PRNGKey(0))
+      if sync and precision != "bf16":
+        per_layer = sync_seconds(cfg, recipe, ops)
+        result["sync_s_per_layer"][f"{precision}:{layout}"] = per_layer
+        print(json.dumps({"sync": f"{precision}:{layout}", "s_per_layer": per_layer,
+                          f"s_{layers}_layers": per_layer * layers}), flush=True)
     weights = packed[precision, layout]
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention)
     for b in batches:
@@ -247,6 +306,8 @@ def table(result: dict) -> str:
     if r.get("kernels_us_per_step"):
       lines.append(f"{r['variant']} B={r['batch']}, GPU us a step by kernel: " + ", ".join(
           f"{name} {us}" for name, us in _top(r["kernels_us_per_step"]).items()))
+  for v, sec in result.get("sync_s_per_layer", {}).items():
+    lines.append(f"weight sync {v}: {sec * 1e3:.1f} ms a layer, {sec * 48:.2f} s for 48 layers")
   for p, b in result["max_batch"].items():
     lines.append(f"largest batch in a {result['slots'] or result['context'] + result['steps']}"
                  f"-slot cache, 48 layers, "
@@ -274,6 +335,8 @@ def main():
                       help="also trace one decode loop a row: GPU microseconds per step by kernel")
   parser.add_argument("--hlo", action="store_true",
                       help="also write each row's compiled decode loop (hlo_VARIANT_B.txt)")
+  parser.add_argument("--sync", action="store_true",
+                      help="also time the weight sync (pack_weights) per layer, each FP4 variant")
   args = parser.parse_args()
   variants = [v for v in args.variants.split(",") if v]
   for v in variants:
@@ -284,7 +347,7 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   result = run(args.layers, [int(b) for b in args.batches.split(",") if b], args.context,
                args.steps, variants, args.preset, args.profile, args.out if args.hlo else None,
-               args.slots)
+               args.slots, args.sync)
   with open(os.path.join(args.out, "bench_rollout.json"), "w") as fh:
     json.dump(result, fh, indent=1)
   print(table(result))

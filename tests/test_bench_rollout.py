@@ -13,3 +13,35 @@ def test_bench_rollout_variant_names():
               "mxfp4"):
     with pytest.raises(ValueError, match=f"unknown variant '{bad}'"):
       parse(bad)
+
+
+@pytest.mark.parametrize("precision,kernels", [("mxfp4", "pallas"), ("nvfp4", "xla"),
+                                               ("bf16", "xla")])
+def test_random_weights_are_the_weight_syncs_layout(precision, kernels):
+  """The benchmark's random rollout weights, made without master params, have the structure,
+  shapes and dtypes the weight sync gives, unit block scales and globals, and the engine
+  decodes with them."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels.dispatch import make_ops
+  from trace_jax.models import QuantRecipe, init_params, pack_weights, tiny
+  from trace_jax.quant import QArray
+  from trace_jax.rl.rollout import RolloutEngine, SamplingConfig, pad_prompts
+  cfg, recipe, ops = tiny(), QuantRecipe.uniform(precision), make_ops(kernels)
+  want = jax.eval_shape(lambda: pack_weights(cfg, init_params(cfg, jax.random.PRNGKey(0)),
+                                             recipe, ops=ops))
+  got = bench_rollout.random_weights(cfg, recipe, ops, jax.random.PRNGKey(1))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+  for layer in got.layers:
+    for w in layer.values():
+      if isinstance(w, QArray):
+        assert np.all(np.asarray(w.scales) == (127 if precision == "mxfp4" else 0x38))
+        assert w.global_scale is None or np.all(np.asarray(w.global_scale) == 1)
+  if kernels == "xla":  # (the kernels' interpret mode is too slow for a decode here)
+    engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=2))
+    out = engine.generate(got, *pad_prompts([[3, 4, 5]]), jax.random.PRNGKey(0))
+    assert bool(jnp.all(jnp.isfinite(out.logp)))
