@@ -1,9 +1,9 @@
 """Pallas kernels: tiles of tokens x the whole feature axis in, FP4 codes, scales and records out.
 
 x [T, D] is read once; B is the block size (32 MXFP4, 16 NVFP4), nb = D / B blocks per token.
-The scale rule is the format's own (`scales_from_amax`, `grid_multiplier`) and the element
-rounding is the quant core's E2M1 round-half-to-even (tests check both against the core on every
-kind of value). Outputs are in the core's byte layout: codes [T, D/2] (element 2k in the low
+The scale rule is the format's own (`scales_from_amax`, `to_grid`; subnormal inputs read as
+zero, `codecs.flush_subnormal`) and the element rounding is the quant core's E2M1
+round-half-to-even (tests check both against the core on every kind of value). Outputs are in the core's byte layout: codes [T, D/2] (element 2k in the low
 nibble of byte k), record bits [T, D/8] (element 8k+j in bit j of byte k), scales [T, nb],
 NVFP4's global [T, 1]. Two layouts of the same computation:
 
@@ -106,14 +106,14 @@ def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str
   m = mask(shape)
   x_TxNxB = pltriton.load(x_ref.at[pl.ds(t0, block_t), pl.ds(0, nbp), :], mask=m,
                           other=None if m is None else 0).astype(jnp.float32)
+  x_TxNxB = codecs.flush_subnormal(x_TxNxB)
   a = jnp.abs(x_TxNxB)
   finite = a <= _F32_MAX  # NaN compares false
   amax_TxN = jnp.max(jnp.where(finite, a, 0.0), axis=-1)
   bad_TxN = jnp.max(jnp.where(finite, 0, 1), axis=-1) > 0
   # blocks outside [T, nb] are zero: they leave NVFP4's row max unchanged and are not stored
   scales_TxN, g_Tx1 = f.scales_from_amax(amax_TxN, bad_TxN, recip)
-  mult_TxN = f.grid_multiplier(scales_TxN, g_Tx1, recip)
-  codes = e2m1_encode(x_TxNxB * mult_TxN[..., None]).astype(jnp.int32)
+  codes = e2m1_encode(f.to_grid(x_TxNxB, scales_TxN, g_Tx1, recip)).astype(jnp.int32)
   pairs = codes.reshape(block_t, nbp, b // 2, 2)
   nibble_shift = jax.lax.broadcasted_iota(jnp.int32, pairs.shape, 3) * 4
   store(codes_ref, jnp.sum(pairs << nibble_shift, axis=-1).astype(jnp.uint8))
@@ -132,7 +132,8 @@ def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: st
   b = f.block_size
   t0 = pl.multiple_of(pl.program_id(0) * block_t, block_t)
   rows = pl.ds(t0, block_t)
-  views = [x_ref[rows, pl.ds(j, nb, stride=b)].astype(jnp.float32) for j in range(b)]
+  views = [codecs.flush_subnormal(x_ref[rows, pl.ds(j, nb, stride=b)].astype(jnp.float32))
+           for j in range(b)]
   amax = jnp.zeros((block_t, nb), jnp.float32)
   bad = jnp.zeros((block_t, nb), jnp.bool_)
   for v in views:
@@ -140,8 +141,8 @@ def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: st
     amax = jnp.maximum(amax, jnp.where(finite, jnp.abs(v), 0.0))
     bad = bad | ~finite
   scales, g = f.scales_from_amax(amax, bad, recip)
-  mult = f.grid_multiplier(scales, g, recip)
-  codes = [e2m1_encode(v * mult).astype(jnp.int32) for v in views]
+  codes = [e2m1_encode(f.to_grid(v[..., None], scales, g, recip)[..., 0]).astype(jnp.int32)
+           for v in views]
   for j in range(0, b, 2):  # bytes 2k, 2k + 1 -> byte k: B / 2 bytes per block
     codes_ref[rows, pl.ds(j // 2, nb, stride=b // 2)] = (
         codes[j] | (codes[j + 1] << 4)).astype(jnp.uint8)

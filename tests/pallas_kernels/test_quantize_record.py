@@ -71,6 +71,19 @@ def test_kernel_in_interpret_mode_is_bit_exact(fmt, shape, layout, block_t):
                                 np.asarray(dequantize(qa))[finite])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["blocks", "strided"])
+def test_tiny_rows_in_interpret_mode_are_the_cores(fmt, layout):
+  """Rows at 2^-149 .. 2^-100, subnormal inputs among them: the kernel takes the core's scale
+  rule and grid (computed 2^64 up where NVFP4's would be subnormal), bit for bit."""
+  from tests.quant.test_magnitudes import magnitudes
+  x = jnp.asarray(magnitudes(5, low=True))
+  want = quantize_and_record(x, fmt)
+  assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout,
+                                  interpret=True), want)
+  assert np.count_nonzero(np.asarray(dequantize(want[0]))) > x.size // 4
+
+
 @pytest.mark.parametrize("layout", ["blocks", "strided"])
 def test_bf16_input(layout):
   x = jax.random.normal(jax.random.PRNGKey(3), (5, 64), jnp.bfloat16)

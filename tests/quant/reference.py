@@ -30,8 +30,9 @@ def f4_codes(y):
 
 
 def mxfp4(x, ceil=False):
-  """-> (unpacked codes [..., N, 32], E8M0 scale bytes [..., N])."""
-  xb = blocks(x, 32)
+  """-> (unpacked codes [..., N, 32], E8M0 scale bytes [..., N]); subnormal inputs read as
+  zero."""
+  xb = blocks(ftz(x), 32)
   amax, bad = _amax(xb)
   _, ex = np.frexp(amax.astype(np.float64))
   k = ex - 1 - 2  # floor(log2 amax) - 2
@@ -47,24 +48,49 @@ def mxfp4(x, ceil=False):
   return codes, code
 
 
+def f32u(a):
+  """float64 -> the nearest value with float32's 24-bit significand (ties to even) and an
+  unbounded exponent: one float32 operation as if float32 had no subnormal range."""
+  a = np.asarray(a, np.float64)
+  m, e = np.frexp(a)  # m in [0.5, 1)
+  with np.errstate(invalid="ignore"):
+    return np.ldexp(np.round(m * 2.0**24) / 2.0**24, e)  # np.round: half to even
+
+
+def _rcp(v):
+  return f32u(1.0 / np.asarray(v, np.float64))
+
+
+_C6, _C2688 = float(np.float32(1) / np.float32(6)), float(np.float32(1) / np.float32(2688))
+
+
 def nvfp4(x, tensor_global=False):
-  """-> (unpacked codes [..., N, 16], E4M3 scale bytes [..., N], global [..., 1])."""
-  xb = blocks(x, 16)
+  """-> (unpacked codes [..., N, 16], E4M3 scale bytes [..., N], global [..., 1]).
+
+  DESIGN: g = amax_row / (6 * 448), s = RN_e4m3(amax / 6 / g), y = x / (s * g); divisions by
+  constants and broadcast scales are multiplications by float32 reciprocals (formats.py says
+  why). Each operation is rounded to float32's significand with no subnormal range (`f32u`);
+  subnormal inputs read as zero."""
+  xb = blocks(ftz(x), 16).astype(np.float64)
   amax, bad = _amax(xb)
   amax_row = np.max(amax, axis=-1, keepdims=True)
   if tensor_global:
     amax_row = np.full_like(amax_row, np.max(amax))
-  # DESIGN: g = amax_row / (6 * 448), s = RN_e4m3(amax / 6 / g), y = x / (s * g); divisions by
-  # constants and broadcast scales are multiplications by float32 reciprocals (formats.py says why)
-  g = np.maximum(amax_row * (np.float32(1) / np.float32(2688)), np.finfo(np.float32).tiny)
-  g = np.where(amax_row > 0, g, np.float32(1)).astype(np.float32)
-  s = np.clip((amax * (np.float32(1) / np.float32(6))) * (np.float32(1) / g), 0, 448).astype(E4M3)
-  s = np.maximum(s.astype(np.float32), np.float32(2.0**-9)).astype(E4M3)
+  g = np.maximum(f32u(amax_row * _C2688), float(np.finfo(np.float32).tiny))
+  g = np.where(amax_row > 0, g, 1.0)
+  s = np.clip(f32u(f32u(amax * _C6) * _rcp(g)), 0, 448).astype(E4M3)
+  s = np.maximum(s.astype(np.float64), 2.0**-9).astype(E4M3)
   code = np.where(bad, 0x7F, s.view(np.uint8)).astype(np.uint8)
-  eff = (s.astype(np.float32) * g).astype(np.float32)
+  eff = f32u(s.astype(np.float64) * g)
   with np.errstate(invalid="ignore"):
-    codes = f4_codes(xb * (np.float32(1) / eff)[..., None])
-  return codes, code, g
+    codes = f4_codes(f32u(xb * _rcp(eff)[..., None]))
+  return codes, code, g.astype(np.float32)
+
+
+def nvfp4_values(codes, scales, g):
+  """Dequantized NVFP4 [..., N, 16]: E2M1 x f32(s x g), rounded once more; below 2^-126, +-0."""
+  eff = f32u(scales.view(E4M3).astype(np.float64) * np.asarray(g, np.float64))
+  return ftz(f32u(f4_values(codes) * eff[..., None]))
 
 
 def fp8_rows(x):
@@ -94,6 +120,9 @@ def bracketing(y):
 
 
 def ftz(a):
-  """float32 with subnormal results flushed to (signed) zero, as XLA computes on CPU and GPU."""
-  a = np.asarray(a, np.float32)
-  return np.where(np.abs(a) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), a), a)
+  """float32 with subnormal (and smaller) values flushed to signed zero: the formats' rule for
+  inputs and for dequantized values."""
+  a = np.asarray(a, np.float64)
+  tiny = np.finfo(np.float32).tiny
+  with np.errstate(invalid="ignore"):
+    return np.where(np.abs(a) < tiny, np.copysign(0.0, a), a).astype(np.float32)

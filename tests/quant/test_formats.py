@@ -75,7 +75,7 @@ def test_nvfp4_bit_exact(seed, tensor, rows, blocks, bf16):
   # NVFP4 covers a 6 * 448 * 448 range per row; keep each row's spread inside a few decades
   x = (x / np.maximum(np.max(np.abs(x), axis=-1, keepdims=True), 1e-30)).astype(np.float32)
   x = x * np.exp2(np.random.default_rng(seed).integers(-60, 60, (rows, 1))).astype(np.float32)
-  x = ref.ftz(x)  # XLA reads float32 subnormal inputs as zero
+  x = ref.ftz(x)  # the formats read float32 subnormal inputs as zero
   if bf16:
     x = x.astype(ml_dtypes.bfloat16)
   qa = quantize(jnp.asarray(x), NVFP4_TENSOR if tensor else NVFP4)
@@ -226,7 +226,7 @@ def test_negative_zero(fmt):
 def test_dequantize_is_code_value_times_scale(seed):
   x = spanning(np.random.default_rng(seed), 4, 128, block=32)
   x = x / np.maximum(np.max(np.abs(x), axis=-1, keepdims=True), 1e-30) * 1e3
-  x = ref.ftz(x)  # XLA reads float32 subnormal inputs as zero
+  x = ref.ftz(x)  # the formats read float32 subnormal inputs as zero
   codes, scales = ref.mxfp4(x)
   scale = scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
   want = ref.ftz((ref.f4_values(codes) * scale[..., None]).reshape(x.shape))

@@ -18,6 +18,13 @@ def exp2i(n: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
 
 
+def flush_subnormal(x: jax.Array) -> jax.Array:
+  """x with its subnormal values as signed zeros, whether or not the backend flushes them (the
+  formats' rule: a float32 subnormal reads as zero, on every backend)."""
+  tiny = float(np.finfo(np.float32).tiny)
+  return jnp.where(jnp.abs(x) < tiny, jnp.copysign(jnp.zeros_like(x), x), x)
+
+
 def biased_exponent(x: jax.Array) -> jax.Array:
   """The 8 exponent bits of float32 |x| as int32 (255 for Inf/NaN, 0 for zero and subnormals)."""
   bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)

@@ -81,9 +81,11 @@ class BlockFormat(Format):
   """A block-scaled format: values map onto an element grid by a per-block scale.
 
   Subclasses define `scales_from_amax` (the stored scale rule, from each block's max |x|),
-  `grid_multiplier` (x -> element grid) and `from_grid`; quantization, dequantization and
-  guided rounding follow from those and the element codec, and so do kernels that compute the
-  block maxima their own way (pallas_kernels/quantize_record).
+  `to_grid` (x -> element grid; by default x times `grid_multiplier`) and `from_grid`;
+  quantization, dequantization and guided rounding follow from those and the element codec,
+  and so do kernels that compute the block maxima their own way (pallas_kernels/quantize_record).
+  Subnormal inputs read as zero and dequantized values below 2^-126 come back as +-0, on every
+  backend (`codecs.flush_subnormal`; XLA's CPU flushes them, not every GPU program does).
   """
 
   @property
@@ -109,8 +111,10 @@ class BlockFormat(Format):
     """Per block, the float32 factor that maps x onto the element grid ([..., N])."""
     raise NotImplementedError
 
-  def to_grid(self, x_NxB, scales_N, global_1) -> jax.Array:
-    return x_NxB * self.grid_multiplier(scales_N, global_1)[..., None]
+  def to_grid(self, x_NxB, scales_N, global_1, recip=codecs.reciprocal) -> jax.Array:
+    """x on the element grid of its block (subnormal x as zero)."""
+    x_NxB = codecs.flush_subnormal(x_NxB)
+    return x_NxB * self.grid_multiplier(scales_N, global_1, recip)[..., None]
 
   def from_grid(self, v_NxB, scales_N, global_1) -> jax.Array:
     raise NotImplementedError
@@ -120,7 +124,8 @@ class BlockFormat(Format):
     return self.codec.encode(self.to_grid(x_NxB, scales_N, global_1)), scales_N, global_1
 
   def decode(self, codes_NxB, scales_N, global_1):
-    return self.from_grid(self.codec.decode(codes_NxB), scales_N, global_1)
+    values = self.from_grid(self.codec.decode(codes_NxB), scales_N, global_1)
+    return codecs.flush_subnormal(values)
 
   def clip_mask(self, x_NxB, scales_N, global_1):
     return jnp.abs(self.to_grid(x_NxB, scales_N, global_1)) <= self.codec.max_value
@@ -142,7 +147,7 @@ class BlockFormat(Format):
 
   def guided(self, x_NxB, mant_NxB, scales_N, global_1):
     codes, y = self.guided_codes(x_NxB, mant_NxB, scales_N, global_1)
-    values = self.from_grid(self.codec.decode(codes), scales_N, global_1)
+    values = codecs.flush_subnormal(self.from_grid(self.codec.decode(codes), scales_N, global_1))
     # non-finite input never comes back finite; a finite x far beyond a tiny recorded scale
     # (y overflowing to +-inf) saturates like any other out-of-range value
     values = jnp.where(jnp.isfinite(x_NxB), values, _NAN)
@@ -150,7 +155,8 @@ class BlockFormat(Format):
 
 
 def _block_amax(x_NxB):
-  """Per-block max |x|, and whether the block holds a NaN or Inf."""
+  """Per-block max |x| (subnormals as zero), and whether the block holds a NaN or Inf."""
+  x_NxB = codecs.flush_subnormal(x_NxB)
   finite = jnp.isfinite(x_NxB)
   amax_N = jnp.max(jnp.where(finite, jnp.abs(x_NxB), 0.0), axis=-1)
   return amax_N, ~jnp.all(finite, axis=-1)
@@ -204,6 +210,15 @@ _E4M3_MIN_SUBNORMAL = 2.0**-9
 _F32_TINY = float(np.finfo(np.float32).tiny)  # 2^-126, the smallest normal float32
 _E4M3_MAX = 448.0
 _NVFP4_GLOBAL_DIVISOR = 6.0 * _E4M3_MAX
+# NVFP4's block maxima and globals under 2^-62 are computed 2^64 up (exact), so that no
+# intermediate is subnormal
+_UP_EXP = 64
+_UP_BELOW = 2.0**-62
+
+
+def _pow2(where: jax.Array, exp: int) -> jax.Array:
+  """2^exp where `where`, else 1 (float32)."""
+  return jnp.where(where, np.float32(2.0**exp), np.float32(1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,12 +232,14 @@ class NVFP4Format(BlockFormat):
 
   Every division by a constant or a broadcast scale is written as a multiplication by a float32
   reciprocal, the way kernels compute it (and the way XLA's CPU compiler rewrites such divisions
-  anyway): g = amax * f32(1/2688), s = RN_e4m3((amax_block * f32(1/6)) * (1/g)),
-  element = RNE_e2m1(x * (1/(s*g))), each reciprocal correctly rounded (`codecs.reciprocal`:
-  XLA's GPU division is not). That makes the bytes the same on every backend for rows whose max
-  is at least 6 x 2^-126 (below it, amax / 6 is subnormal, and XLA's CPU flushes subnormals to
-  zero where the GPU keeps them). g is at least 2^-126 (the smallest normal float32), so tiny
-  rows are not flushed to zero.
+  anyway): g = max(amax * f32(1/2688), 2^-126), s = RN_e4m3((amax_block * f32(1/6)) * (1/g)),
+  element = RNE_e2m1(x * (1/(s*g))), value = element * (s*g), each reciprocal correctly rounded
+  (`codecs.reciprocal`: XLA's GPU division is not), each step one float32 rounding as if float32
+  had no subnormal range: amax / 6 is subnormal for blocks under 6 x 2^-126 and s*g for rows
+  under 2^-62, so such blocks and rows are computed 2^64 up (exact) and brought back down in one
+  rounding. No intermediate is subnormal, so the bytes are the same on every backend, eager or
+  jitted, at every magnitude; a value dequantizes to zero only where the format's own rounding
+  (or a result below 2^-126) makes it zero. g is at least 2^-126, so that it is stored normal.
   """
 
   name: str = "nvfp4"
@@ -242,24 +259,38 @@ class NVFP4Format(BlockFormat):
       amax_1 = jnp.max(amax_N, axis=-1, keepdims=True)
     else:
       amax_1 = jnp.max(amax_N, keepdims=True)
-    # at least the smallest normal float32, so that a tiny row's global is not flushed to zero;
-    # an all-zero row takes 1 (any global works, keep it finite)
+    # at least the smallest normal float32, so that a tiny row's global is stored normal (a
+    # subnormal amax / 2688, flushed or not, gives 2^-126); an all-zero row takes 1 (any
+    # global works, keep it finite)
     g_1 = jnp.maximum(amax_1 * _f32_reciprocal(_NVFP4_GLOBAL_DIVISOR), _F32_TINY)
     g_1 = jnp.where(amax_1 > 0, g_1, 1.0)
-    s_N = (amax_N * _f32_reciprocal(6.0)) * recip(g_1)
+    tiny_N = amax_N < _UP_BELOW  # amax / 6 is subnormal under 6 x 2^-126: take it 2^64 up
+    s_N = ((amax_N * _pow2(tiny_N, _UP_EXP)) * _f32_reciprocal(6.0)) * recip(g_1)
+    # and back: exact for every s E4M3 can round to other than zero (>= 2^-10)
+    s_N = s_N * _pow2(tiny_N, -_UP_EXP)
     s_N = jnp.clip(s_N, 0.0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
     s_N = jnp.maximum(s_N.astype(jnp.float32), _E4M3_MIN_SUBNORMAL).astype(jnp.float8_e4m3fn)
     s_N = jax.lax.bitcast_convert_type(s_N, jnp.uint8)
     return jnp.where(bad_N, 0x7F, s_N).astype(jnp.uint8), g_1
 
   def _element_scale(self, scales_N, global_1):
-    return codecs.E4M3.decode(scales_N) * global_1
+    """s*g, taken 2^64 up where g < 2^-62 (s*g could be subnormal there, 2^-135 at the least),
+    and whether it was: [..., N], [..., 1]."""
+    tiny_1 = global_1 < _UP_BELOW
+    return codecs.E4M3.decode(scales_N) * (global_1 * _pow2(tiny_1, _UP_EXP)), tiny_1
 
-  def grid_multiplier(self, scales_N, global_1, recip=codecs.reciprocal):
-    return recip(self._element_scale(scales_N, global_1))
+  def to_grid(self, x_NxB, scales_N, global_1, recip=codecs.reciprocal):
+    sg_N, tiny_1 = self._element_scale(scales_N, global_1)
+    # x up by the same 2^64: exact for the x of such a row (|x| < 2^-50); a far larger x (a
+    # trainer's value against a tiny recorded scale) overflows and saturates, as it would anyway
+    x_NxB = codecs.flush_subnormal(x_NxB) * _pow2(tiny_1, _UP_EXP)[..., None]
+    return x_NxB * recip(sg_N)[..., None]
 
   def from_grid(self, v_NxB, scales_N, global_1):
-    return v_NxB * self._element_scale(scales_N, global_1)[..., None]
+    sg_N, tiny_1 = self._element_scale(scales_N, global_1)
+    # the product's one rounding is up there; coming down is exact unless it leaves the normal
+    # range (then `decode` flushes it)
+    return (v_NxB * sg_N[..., None]) * _pow2(tiny_1, -_UP_EXP)[..., None]
 
 
 @dataclasses.dataclass(frozen=True)
