@@ -66,7 +66,7 @@ def _check_mesh(c, n_devices: int) -> None:
 
 
 def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
-  """Raises ValueError naming the first bad key (unknown keys fail earlier, in config_flags)."""
+  """Raises ValueError naming the first bad key (unknown keys fail earlier, in set_key)."""
   _choice("rl.mode", c.rl.mode, MODES)
   _choice("rl.fp4", c.rl.fp4, FP4_FORMATS)
   assert set(FP4_FORMATS) <= set(FORMATS)
