@@ -39,15 +39,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from experiments import curves, figures  # noqa: E402
-from trace_jax import mismatch  # noqa: E402
+from trace_jax import cli, mismatch  # noqa: E402
 from trace_jax.models import QuantRecipe, pack_weights  # noqa: E402
 from trace_jax.rl.checkpoint import Checkpointer  # noqa: E402
 from trace_jax.rl.episodes import greedy_accuracy  # noqa: E402
 from trace_jax.rl.loop import load_run, summarize, train  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine  # noqa: E402
 from trace_jax.rl.trainer import MODES  # noqa: E402
-from trace_jax.rl.validate import FAMILIES  # noqa: E402
+from trace_jax.rl.validate import FAMILIES, check_sandbox, check_workdir, validate  # noqa: E402
 from trace_jax.rl.writer import read_metrics  # noqa: E402
+from trace_jax.tasks.sandbox import BoundaryUnavailable  # noqa: E402
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "numpy", "ml_dtypes", "optax",
             "orbax-checkpoint", "flax", "ml-collections", "reasoning-gym", "tensorflow-datasets",
@@ -162,7 +163,7 @@ def markdown_table(summary: dict, families) -> str:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="experiments/results")
   parser.add_argument("--figures", default="experiments/figures")
   parser.add_argument("--families", default="",
@@ -178,10 +179,22 @@ def main(argv=None):
   args = parser.parse_args(argv)
   families = [f for f in args.families.split(",") if f]
   modes = [m for m in args.modes.split(",") if m]
-  seeds = [int(s) for s in args.seeds.split(",")]
   bad = [f for f in families if f not in FAMILIES] + [m for m in modes if m not in MODES]
   if bad:
     parser.error(f"unknown families or modes {bad}; choose from {FAMILIES} and {MODES}")
+  try:
+    seeds = [int(s) for s in args.seeds.split(",")]
+  except ValueError:
+    parser.error(f"--seeds={args.seeds!r}: comma-separated integers")
+  with cli.bad_input(ValueError, BoundaryUnavailable):  # every run's config, before the first
+    check_workdir(args.out, "--out")
+    check_workdir(args.figures, "--figures")
+    for family in [] if args.figures_only else families:
+      for mode in modes:
+        for seed in seeds:
+          c = run_config(family, mode, seed, args.smoke)
+          validate(c)
+          check_sandbox(c)
 
   if args.figures_only:
     try:

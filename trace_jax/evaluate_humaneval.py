@@ -13,11 +13,13 @@ line per problem with --output.
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
+from trace_jax import cli
 from trace_jax.data.pipeline import left_pad
 from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.models import QuantRecipe, load_hf, pack_weights
@@ -30,9 +32,9 @@ STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
 _HF = flags.DEFINE_string("hf_path", None, "Hugging Face Qwen3-MoE directory (with tokenizer.json)")
 _PRECISION = flags.DEFINE_enum("precision", "bf16", PRECISIONS, "rollout precision")
-_LIMIT = flags.DEFINE_integer("limit", 164, "evaluate the first N problems")
-_NEW = flags.DEFINE_integer("max_new_tokens", 384, "completion budget")
-_BATCH = flags.DEFINE_integer("batch", 8, "problems per generation batch")
+_LIMIT = flags.DEFINE_integer("limit", 164, "evaluate the first N problems", lower_bound=1)
+_NEW = flags.DEFINE_integer("max_new_tokens", 384, "completion budget", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch", 8, "problems per generation batch", lower_bound=1)
 _OUTPUT = flags.DEFINE_string("output", "", "write one JSON line per problem here")
 _UNSANDBOXED = flags.DEFINE_bool("allow_unsandboxed", False,
                                  "run the programs even where no kernel sandbox can be had")
@@ -80,9 +82,20 @@ def evaluate(hf_path: str, precision: str = "bf16", limit: int = 164, max_new_to
                       for p, c, ok in zip(problems, completions, passed)]}
 
 
+def check(hf_path: str) -> None:
+  for name in ("config.json", "tokenizer.json"):
+    if not os.path.isfile(os.path.join(hf_path, name)):
+      raise ValueError(f"--hf_path={hf_path} has no {name}; expected a Hugging Face Qwen3-MoE "
+                       "directory with its tokenizer")
+
+
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
+  with cli.bad_input(ValueError, sandbox.BoundaryUnavailable):
+    check(_HF.value)
+    sandbox.require(_UNSANDBOXED.value)
   result = evaluate(_HF.value, _PRECISION.value, _LIMIT.value, _NEW.value, _BATCH.value,
                     _UNSANDBOXED.value)
   if _OUTPUT.value:
@@ -95,4 +108,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("hf_path")
-  app.run(main)
+  cli.run(main)

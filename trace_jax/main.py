@@ -5,30 +5,38 @@
 
 Rerunning the same command with the same workdir resumes from the newest checkpoint. SIGTERM
 or Ctrl-C stops the run after the step in flight, with a checkpoint (a second one stops at
-once); the exit status is then 128 + the signal's number.
+once); the exit status is then 128 + the signal's number. Bad input (an unknown key, a bad
+value, a workdir that is a file) stops it first, with one line naming it; exit status 2.
 """
 
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
+from trace_jax import cli
 from trace_jax.rl.loop import Interrupted, train
+from trace_jax.rl.validate import check_sandbox, check_workdir, validate
+from trace_jax.tasks.sandbox import BoundaryUnavailable
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/reasoning.py", "run config file")
+_CONFIG = cli.ConfigFile("config", "configs/reasoning.py", "run config file")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/reasoning", "checkpoints, metrics and plots")
 _PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
+  c = _CONFIG.value
+  with cli.bad_input(ValueError, BoundaryUnavailable):
+    validate(c)
+    check_workdir(_WORKDIR.value)
+    check_sandbox(c)
   try:
-    train(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
+    train(c, _WORKDIR.value, progress=_PROGRESS.value)
   except Interrupted as e:  # train has said where the run stands
     sys.exit(128 + e.signum)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, _CONFIG)

@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import app, logging
-from ml_collections import config_flags
+from absl import logging
 
+from trace_jax import cli
 from trace_jax.models import QuantRecipe, init_params, load_hf, pack_weights, parse_layers, preset
-from trace_jax.models.config import ModelConfig
+from trace_jax.models.config import PRESETS, ModelConfig
 from trace_jax.models.recipe import PRECISIONS
 from trace_jax.rl import metrics as M
 from trace_jax.rl.loop import load_run
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig, pad_prompts
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/mismatch.py", "probe config file")
+_CONFIG = cli.ConfigFile("config", "configs/mismatch.py", "probe config file")
 
 
 def _choices(spec: str, allowed, what: str) -> list[str]:
@@ -61,9 +62,6 @@ def task_prompts(workdir: str, n: int) -> list[list[int]]:
 def random_prompts(cfg: ModelConfig, c, rng: np.random.Generator) -> list[list[int]]:
   if c.checkpoint:
     return task_prompts(c.checkpoint, c.batch)
-  if not 1 <= c.prompt_len_min <= c.prompt_len_max:
-    raise ValueError(f"need 1 <= prompt_len_min ({c.prompt_len_min}) <= prompt_len_max "
-                     f"({c.prompt_len_max})")
   lens = rng.integers(c.prompt_len_min, c.prompt_len_max + 1, c.batch)
   return [rng.integers(1, cfg.vocab_size, n).tolist() for n in lens]
 
@@ -114,10 +112,34 @@ def probe_precision(cfg, params, precision: str, prompts, c) -> list[dict]:
   return rows
 
 
-def run(c: ml_collections.ConfigDict, log=print) -> list[dict]:
-  precisions = _choices(c.precisions, PRECISIONS, "precisions")
+def check(c: ml_collections.ConfigDict) -> None:
+  """Every bad value fails here, by name, before any work."""
+  _choices(c.precisions, PRECISIONS, "precisions")
   for g in _choices(c.guidance, None, "guidance"):
-    parse_layers(g, 10**6, what="guidance")  # malformed specs fail before any work
+    parse_layers(g, 10**6, what="guidance")
+  _choices(c.routing_replay, ("off", "on"), "routing_replay")
+  if c.checkpoint and not os.path.isdir(os.path.join(c.checkpoint, "checkpoints")):
+    raise ValueError(f"checkpoint={c.checkpoint!r}: not an RL run's workdir (no checkpoints/)")
+  if c.hf_path and not os.path.isfile(os.path.join(c.hf_path, "config.json")):
+    raise ValueError(f"hf_path={c.hf_path!r} has no config.json; expected a Hugging Face "
+                     "Qwen3-MoE directory")
+  if not (c.checkpoint or c.hf_path) and c.model not in PRESETS:
+    raise ValueError(f"model={c.model!r}: choose one of {', '.join(sorted(PRESETS))}, or set "
+                     "hf_path or checkpoint")
+  for name in ("batch", "max_new_tokens", "n_buckets", "attn_chunk"):
+    if not c[name] > 0:
+      raise ValueError(f"{name} must be > 0, got {c[name]!r}")
+  if not 1 <= c.prompt_len_min <= c.prompt_len_max:
+    raise ValueError(f"need 1 <= prompt_len_min ({c.prompt_len_min}) <= prompt_len_max "
+                     f"({c.prompt_len_max})")
+  if c.temperature < 0 or not 0 < c.top_p <= 1:
+    raise ValueError(f"temperature must be >= 0 and top_p in (0, 1]; got {c.temperature}, "
+                     f"{c.top_p}")
+
+
+def run(c: ml_collections.ConfigDict, log=print) -> list[dict]:
+  check(c)
+  precisions = _choices(c.precisions, PRECISIONS, "precisions")
   cfg, params = load_policy(c)
   prompts = random_prompts(cfg, c, np.random.default_rng(c.seed))
   rows = []
@@ -174,6 +196,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # absl would log every backend JAX probes for
   c = _CONFIG.value
+  with cli.bad_input():
+    check(c)
   start = time.perf_counter()
   rows = run(c)
   if c.output:
@@ -188,4 +212,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, _CONFIG)

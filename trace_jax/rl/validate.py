@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import ml_collections
 
@@ -10,7 +12,7 @@ from trace_jax.models.recipe import parse_layers
 from trace_jax.quant import FORMATS
 from trace_jax.rl.grpo import CORRECTIONS
 from trace_jax.rl.trainer import MODES
-from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask
+from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask, sandbox
 
 FAMILIES = ("reasoning", "coding", "long_horizon")
 FP4_FORMATS = ("mxfp4", "nvfp4")
@@ -64,7 +66,7 @@ def _check_mesh(c, n_devices: int) -> None:
 
 
 def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
-  """Raises ValueError naming the first bad key (unknown keys fail earlier, in config_flags)."""
+  """Raises ValueError naming the first bad key (unknown keys fail earlier, in set_key)."""
   _choice("rl.mode", c.rl.mode, MODES)
   _choice("rl.fp4", c.rl.fp4, FP4_FORMATS)
   assert set(FP4_FORMATS) <= set(FORMATS)
@@ -99,3 +101,22 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     raise ValueError(f"log.flip_rate_every must be >= 0, got {c.log.flip_rate_every}")
   _check_mesh(c, jax.device_count() if n_devices is None else n_devices)
   make_task(c.task)  # unknown dataset or generator options fail here
+
+
+def check_workdir(workdir: str, what: str = "workdir") -> None:
+  """A workdir must be a directory, or a path where one can be made."""
+  path = os.path.abspath(workdir)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  if not os.path.isdir(path):
+    where = "is" if path == os.path.abspath(workdir) else f"is inside {path}, which is"
+    raise ValueError(f"{what} {workdir} {where} a file, not a directory")
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise ValueError(f"{what} {workdir}: {path} is not writable")
+
+
+def check_sandbox(c: ml_collections.ConfigDict) -> None:
+  """The coding family runs programs only behind a sandbox boundary, or where the user allowed
+  it without one (raises sandbox.BoundaryUnavailable, one line saying why)."""
+  if c.task.family == "coding":
+    sandbox.require(c.task.coding.allow_unsandboxed)
