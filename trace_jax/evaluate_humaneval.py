@@ -23,7 +23,7 @@ from trace_jax import cli
 from trace_jax.data.pipeline import left_pad
 from trace_jax.data.tokenizer import load_tokenizer
 from trace_jax.models import QuantRecipe, load_hf, pack_weights
-from trace_jax.models.recipe import PRECISIONS
+from trace_jax.models.recipe import precisions
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
 from trace_jax.tasks import sandbox
 from trace_jax.tasks.coding import humaneval_pass, humaneval_problems
@@ -31,7 +31,8 @@ from trace_jax.tasks.coding import humaneval_pass, humaneval_problems
 STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
 _HF = flags.DEFINE_string("hf_path", None, "Hugging Face Qwen3-MoE directory (with tokenizer.json)")
-_PRECISION = flags.DEFINE_enum("precision", "bf16", PRECISIONS, "rollout precision")
+_PRECISION = flags.DEFINE_string("precision", "bf16", "rollout precision: a registered format "
+                                  "(trace_jax.quant.FORMATS)")
 _LIMIT = flags.DEFINE_integer("limit", 164, "evaluate the first N problems", lower_bound=1)
 _NEW = flags.DEFINE_integer("max_new_tokens", 384, "completion budget", lower_bound=1)
 _BATCH = flags.DEFINE_integer("batch", 8, "problems per generation batch", lower_bound=1)
@@ -82,7 +83,9 @@ def evaluate(hf_path: str, precision: str = "bf16", limit: int = 164, max_new_to
                       for p, c, ok in zip(problems, completions, passed)]}
 
 
-def check(hf_path: str) -> None:
+def check(hf_path: str, precision: str = "bf16") -> None:
+  if precision not in precisions():
+    raise ValueError(f"--precision={precision!r}: choose one of {precisions()}")
   for name in ("config.json", "tokenizer.json"):
     if not os.path.isfile(os.path.join(hf_path, name)):
       raise ValueError(f"--hf_path={hf_path} has no {name}; expected a Hugging Face Qwen3-MoE "
@@ -94,7 +97,7 @@ def main(argv):
     cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
   with cli.bad_input(ValueError, sandbox.BoundaryUnavailable):
-    check(_HF.value)
+    check(_HF.value, _PRECISION.value)
     sandbox.require(_UNSANDBOXED.value)
   result = evaluate(_HF.value, _PRECISION.value, _LIMIT.value, _NEW.value, _BATCH.value,
                     _UNSANDBOXED.value)

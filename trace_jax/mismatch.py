@@ -23,7 +23,7 @@ from absl import logging
 from trace_jax import cli
 from trace_jax.models import QuantRecipe, init_params, load_hf, pack_weights, parse_layers, preset
 from trace_jax.models.config import PRESETS, ModelConfig
-from trace_jax.models.recipe import PRECISIONS
+from trace_jax.models.recipe import precisions
 from trace_jax.rl import metrics as M
 from trace_jax.rl.loop import load_run
 from trace_jax.rl.recompute import recompute
@@ -114,7 +114,7 @@ def probe_precision(cfg, params, precision: str, prompts, c) -> list[dict]:
 
 def check(c: ml_collections.ConfigDict) -> None:
   """Every bad value fails here, by name, before any work."""
-  _choices(c.precisions, PRECISIONS, "precisions")
+  _choices(c.precisions, precisions(), "precisions")
   for g in _choices(c.guidance, None, "guidance"):
     parse_layers(g, 10**6, what="guidance")
   _choices(c.routing_replay, ("off", "on"), "routing_replay")
@@ -139,11 +139,11 @@ def check(c: ml_collections.ConfigDict) -> None:
 
 def run(c: ml_collections.ConfigDict, log=print) -> list[dict]:
   check(c)
-  precisions = _choices(c.precisions, PRECISIONS, "precisions")
+  chosen = _choices(c.precisions, precisions(), "precisions")
   cfg, params = load_policy(c)
   prompts = random_prompts(cfg, c, np.random.default_rng(c.seed))
   rows = []
-  for precision in precisions:
+  for precision in chosen:
     start = time.perf_counter()
     new = probe_precision(cfg, params, precision, prompts, c)
     log(f"# {precision}: {len(new)} settings in {time.perf_counter() - start:.0f}s")

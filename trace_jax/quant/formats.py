@@ -63,6 +63,11 @@ class Format:
   def has_record(self) -> bool:
     return True
 
+  def for_weights(self) -> Format:
+    """The format a weight matrix of this format is stored in (NVFP4: one global per matrix,
+    not per row); weights are quantized once, so a per-row global buys them nothing."""
+    return self
+
   def axis_block(self, n: int) -> int:
     """Block length for an axis of length n."""
     return n if self.block_size is None else self.block_size
@@ -250,6 +255,12 @@ class NVFP4Format(BlockFormat):
   def __post_init__(self):
     if self.global_scale not in ("row", "tensor"):
       raise ValueError(f"global_scale must be 'row' or 'tensor', got {self.global_scale!r}")
+
+  def for_weights(self) -> Format:
+    if self.global_scale == "tensor":
+      return self
+    name = "nvfp4_tensor" if self.name == "nvfp4" else f"{self.name}_tensor"
+    return FORMATS.get(name) or dataclasses.replace(self, name=name, global_scale="tensor")
 
   codec = codecs.E2M1
   scale_bits = 8

@@ -38,7 +38,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 500
   c.rl.mode = "trace"  # bf16 | fp4_rollout | fp4_qat | trace | trace_all
-  c.rl.fp4 = "mxfp4"  # mxfp4 | nvfp4 (the rollout's format in the FP4 modes)
+  c.rl.fp4 = "mxfp4"  # the quantized modes' format: any registered one (mxfp4, nvfp4, fp8, ...)
+  # recipes replacing the mode's (QuantRecipe.parse: "weights=nvfp4,acts=mxfp4,kv=mxfp4",
+  # "mxfp4; layers=last:2,moe_mid=fp8"); "" keeps the mode's
+  c.rl.rollout_recipe = ""
+  c.rl.train_recipe = ""
   c.rl.trace_layers = "last:1"  # the layers `trace` records: none | all | last:N | [i, ...]
   c.rl.prompts_per_step = 32
   c.rl.group_size = 8

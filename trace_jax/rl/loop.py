@@ -46,7 +46,8 @@ class Run:
     self.task = make_task(c.task)
     self.sources = self.task.prepare(c.data_dir or None)
     self.cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **c.model)
-    self.setup = mode_setup(c.rl.mode, c.rl.fp4, c.rl.trace_layers)
+    self.setup = mode_setup(c.rl.mode, c.rl.fp4, c.rl.trace_layers, c.rl.rollout_recipe,
+                            c.rl.train_recipe)
     options = RLOptions(clip_eps=c.rl.clip_eps, correction=c.rl.correction,
                         correction_cap=c.rl.correction_cap, kl_coef=c.rl.kl_coef,
                         aux_coef=c.rl.aux_coef, minibatches=c.rl.minibatches,

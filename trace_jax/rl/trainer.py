@@ -30,19 +30,27 @@ class ModeSetup:
   records: str | tuple[int, ...]
 
 
-def mode_setup(mode: str, fp4: str = "mxfp4", trace_layers: str = "last:2") -> ModeSetup:
-  """bf16: no quantization; fp4_rollout: FP4 rollout, bf16 trainer; fp4_qat: FP4 rollout,
-  unguided FP4 QAT; trace: QAT guided by records of `trace_layers`; trace_all: every layer."""
+def mode_setup(mode: str, fp4: str = "mxfp4", trace_layers: str = "last:2",
+               rollout_recipe: str = "", train_recipe: str = "") -> ModeSetup:
+  """The modes, named presets of two recipes and the recorded layers. bf16: no quantization;
+  fp4_rollout: `fp4` rollout, bf16 trainer; fp4_qat: `fp4` rollout, unguided QAT in `fp4`;
+  trace: QAT guided by records of `trace_layers`; trace_all: every layer. `fp4` is any
+  registered format (the name is the ablation's; fp8 or a user's format works too).
+  rollout_recipe / train_recipe: `QuantRecipe.parse` specs that replace the mode's recipes
+  (e.g. "weights=nvfp4,acts=mxfp4,kv=mxfp4"), the mode still choosing the records."""
   if mode not in MODES:
     raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
   bf16, q = QuantRecipe(), QuantRecipe.uniform(fp4)
-  return {
+  setup = {
       "bf16": ModeSetup(bf16, bf16, "none"),
       "fp4_rollout": ModeSetup(q, bf16, "none"),
       "fp4_qat": ModeSetup(q, q, "none"),
       "trace": ModeSetup(q, q, trace_layers),
       "trace_all": ModeSetup(q, q, "all"),
   }[mode]
+  return ModeSetup(QuantRecipe.parse(rollout_recipe) if rollout_recipe else setup.rollout,
+                   QuantRecipe.parse(train_recipe) if train_recipe else setup.train,
+                   setup.records)
 
 
 def make_optimizer(lr_sft: float, lr_rl: float, sft_steps: int, *, max_grad_norm: float = 1.0,

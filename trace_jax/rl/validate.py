@@ -8,14 +8,12 @@ import jax
 import ml_collections
 
 from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
-from trace_jax.models.recipe import parse_layers
-from trace_jax.quant import FORMATS
+from trace_jax.models.recipe import QuantRecipe, parse_layers, precisions
 from trace_jax.rl.grpo import CORRECTIONS
 from trace_jax.rl.trainer import MODES
 from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask, sandbox
 
 FAMILIES = ("reasoning", "coding", "long_horizon")
-FP4_FORMATS = ("mxfp4", "nvfp4")
 
 
 def make_task(t: ml_collections.ConfigDict):
@@ -68,8 +66,13 @@ def _check_mesh(c, n_devices: int) -> None:
 def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
   """Raises ValueError naming the first bad key (unknown keys fail earlier, in set_key)."""
   _choice("rl.mode", c.rl.mode, MODES)
-  _choice("rl.fp4", c.rl.fp4, FP4_FORMATS)
-  assert set(FP4_FORMATS) <= set(FORMATS)
+  _choice("rl.fp4", c.rl.fp4, [p for p in precisions() if p != "bf16"])
+  for key in ("rollout_recipe", "train_recipe"):
+    if c.rl[key]:
+      try:
+        QuantRecipe.parse(c.rl[key]).check(c.model.n_layers)
+      except ValueError as e:
+        raise ValueError(f"rl.{key}: {e}") from None
   _choice("rl.correction", c.rl.correction, CORRECTIONS)
   _choice("rl.kernels", c.rl.kernels, KERNELS)
   _choice("rl.attention_kernel", c.rl.attention_kernel, ATTENTION_KERNELS)
