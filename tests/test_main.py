@@ -160,9 +160,9 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
 def test_bad_config_fails_before_any_work(data_dir, tmp_path):
   for override, message in [("rl.mode=fp8_qat", r"rl.mode='fp8_qat': choose one of \('bf16'"),
                             ("rl.correction=ppo", r"rl.correction='ppo'.*'tis'"),
-                            ("rl.kernels=triton", r"rl.kernels='triton'.*'pallas'"),
-                            ("rl.attention_kernel=flash",
-                             r"rl.attention_kernel='flash'.*'mosaic'"),
+                            ("engine.kernels=triton", r"engine.kernels='triton'.*'pallas'"),
+                            ("engine.attention_kernel=flash",
+                             r"engine.attention_kernel='flash'.*'mosaic'"),
                             ("rl.trace_layers=last:7", r"rl.trace_layers='last:7'"),
                             ("rl.group_size=1", "rl.group_size must be >= 2"),
                             ("rl.minibatches=3", "does not split into rl.minibatches=3"),
@@ -187,12 +187,17 @@ def test_resuming_with_another_config_is_refused(data_dir, tmp_path):
 
 
 def test_a_config_saved_before_a_key_existed_loads_with_its_default(data_dir):
-  """Runs written before rl.kernels existed load (load_run) and resume: the key takes its
-  default, the behaviour those runs had."""
+  """Runs written before a key existed load (load_run) and resume: the key takes its default,
+  the behaviour those runs had; runs that kept the kernel knobs under rl (before the engine
+  section) have them moved there."""
   c = smoke(data_dir)
   old = json.loads(c.to_json())
-  del old["rl"]["kernels"]
+  del old["engine"]
   assert json.loads(saved_config(old).to_json()) == json.loads(c.to_json())
+  old["rl"].update(kernels="pallas", attention_kernel="mosaic")
+  moved = saved_config(old)
+  assert (moved.engine.kernels, moved.engine.attention_kernel) == ("pallas", "mosaic")
+  assert "kernels" not in moved.rl and "attention_kernel" not in moved.rl
 
 
 def test_a_run_resumes_with_its_data_elsewhere():

@@ -57,13 +57,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.aux_coef = 1e-3
   c.rl.minibatches = 2
   c.rl.routing_replay = False
-  # the rollout engine's matmuls and decode attention: xla | pallas (the Pallas kernels; GPU,
+
+  # the rollout engine's kernels (pallas_kernels.dispatch.make_ops)
+  c.engine = ml_collections.ConfigDict()
+  # its matmuls, decode attention and quantization: xla | pallas (the Pallas kernels; GPU,
   # interpret mode elsewhere; MXFP4, NVFP4 and bf16 compute what XLA does up to the order of
-  # float32 sums: pallas_kernels.dispatch)
-  c.rl.kernels = "xla"
+  # float32 sums)
+  c.engine.kernels = "xla"
   # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
   # Triton one otherwise, as measured) | triton | mosaic
-  c.rl.attention_kernel = "auto"
+  c.engine.attention_kernel = "auto"
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
   c.eval = ml_collections.ConfigDict(dict(every=50, size=200, batch_size=100))

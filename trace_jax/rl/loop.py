@@ -62,8 +62,8 @@ class Run:
     sampling = SamplingConfig(max_new_tokens=self.new_tokens, temperature=c.rl.temperature,
                               top_p=c.rl.top_p, stop_tokens=stops, pad_id=tokenizer.pad_id)
     engine = functools.partial(RolloutEngine, self.cfg, self.setup.rollout,
-                               kernels=self.c.rl.kernels,
-                               attention_kernel=self.c.rl.attention_kernel)
+                               kernels=self.c.engine.kernels,
+                               attention_kernel=self.c.engine.attention_kernel)
     self.engine = engine(sampling, records=self.setup.records)
     self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
     self.eval_engine = engine(dataclasses.replace(sampling, temperature=0.0))
@@ -178,7 +178,13 @@ def _config_json(c) -> dict:
 
 def saved_config(saved: dict) -> ml_collections.ConfigDict:
   """A run's saved config, with the keys added to the schema since it was written at their
-  defaults (the behaviour that run had), so that older runs load and resume."""
+  defaults (the behaviour that run had), and keys that moved where they are now, so that older
+  runs load and resume."""
+  saved = json.loads(json.dumps(saved))  # a copy to move keys in
+  rl, engine = saved.get("rl", {}), saved.setdefault("engine", {})
+  for key in ("kernels", "attention_kernel"):  # under rl before the engine section
+    if key in rl:
+      engine[key] = rl.pop(key)
   c = base_config()
   c.update(saved)
   return c

@@ -74,8 +74,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
       except ValueError as e:
         raise ValueError(f"rl.{key}: {e}") from None
   _choice("rl.correction", c.rl.correction, CORRECTIONS)
-  _choice("rl.kernels", c.rl.kernels, KERNELS)
-  _choice("rl.attention_kernel", c.rl.attention_kernel, ATTENTION_KERNELS)
+  _choice("engine.kernels", c.engine.kernels, KERNELS)
+  _choice("engine.attention_kernel", c.engine.attention_kernel, ATTENTION_KERNELS)
   parse_layers(c.rl.trace_layers, c.model.n_layers, what="rl.trace_layers")
   _positive(c, "sft.batch_size", "rl.prompts_per_step", "rl.max_new_tokens", "rl.lr",
             "eval.every", "eval.size", "eval.batch_size", "checkpoint.every",
