@@ -25,9 +25,11 @@ def test_warns_when_jax_has_started_its_backends():
   out = _python("import jax; jax.devices(); import trace_jax")
   assert out.returncode == 0, out.stderr
   assert "xla_allow_excess_precision" in out.stderr and "cannot take effect" in out.stderr
+  assert "xla_cpu_enable_platform_dependent_math" in out.stderr
   # with the flag already in XLA_FLAGS there is nothing to warn about
   out = _python("import jax; jax.devices(); import trace_jax",
-                XLA_FLAGS="--xla_allow_excess_precision=false")
+                XLA_FLAGS="--xla_allow_excess_precision=false "
+                          "--xla_cpu_enable_platform_dependent_math=false")
   assert out.returncode == 0 and "cannot take effect" not in out.stderr, out.stderr
 
 
