@@ -19,10 +19,13 @@ def exp2i(n: jax.Array) -> jax.Array:
 
 
 def flush_subnormal(x: jax.Array) -> jax.Array:
-  """x with its subnormal values as signed zeros, whether or not the backend flushes them (the
-  formats' rule: a float32 subnormal reads as zero, on every backend)."""
-  tiny = float(np.finfo(np.float32).tiny)
-  return jnp.where(jnp.abs(x) < tiny, jnp.copysign(jnp.zeros_like(x), x), x)
+  """float32 x with its subnormal values as signed zeros, whether or not the backend flushes
+  them (the formats' rule: a float32 subnormal reads as zero, on every backend). In integers:
+  where floating-point operations flush subnormal operands (Triton on the GPU), a compare or
+  copysign would see a negative subnormal as +0 and drop its sign."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+  sign_only = jax.lax.bitcast_convert_type(bits & jnp.uint32(0x80000000), jnp.float32)
+  return jnp.where((bits & jnp.uint32(0x7F800000)) == 0, sign_only, x)
 
 
 def biased_exponent(x: jax.Array) -> jax.Array:
