@@ -8,6 +8,7 @@ import ml_collections
 from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
 from trace_jax.models.recipe import parse_layers
 from trace_jax.quant import FORMATS
+from trace_jax.rl import hf_policy
 from trace_jax.rl.grpo import CORRECTIONS
 from trace_jax.rl.trainer import MODES
 from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask
@@ -71,7 +72,8 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   _choice("rl.correction", c.rl.correction, CORRECTIONS)
   _choice("rl.kernels", c.rl.kernels, KERNELS)
   _choice("rl.attention_kernel", c.rl.attention_kernel, ATTENTION_KERNELS)
-  parse_layers(c.rl.trace_layers, c.model.n_layers, what="rl.trace_layers")
+  hf = hf_policy.check(c)  # the checkpoint's shape with model.hf_path
+  parse_layers(c.rl.trace_layers, (hf or c.model).n_layers, what="rl.trace_layers")
   _positive(c, "sft.batch_size", "rl.prompts_per_step", "rl.max_new_tokens", "rl.lr",
             "eval.every", "eval.size", "eval.batch_size", "checkpoint.every",
             "checkpoint.keep", "max_prompt_len", "rl.minibatches", "rl.correction_cap")
