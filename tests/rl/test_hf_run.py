@@ -1,6 +1,7 @@
 """RL from a Hugging Face checkpoint (model.hf_path): a tiny random Qwen3-MoE written by
-transformers (offline) with a tokenizer of its own runs GRPO, its checkpoint reloads without the
-checkpoint's weights, resumes as if never stopped, and the mismatch probe runs on both."""
+transformers (offline), with a tokenizer and chat template of its own, loads straight into the
+training sharding and runs GRPO; the run's checkpoint reloads and resumes without the
+checkpoint's weights; the mismatch probe runs on the checkpoint."""
 
 import pathlib
 import shutil
@@ -8,20 +9,22 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from configs import mismatch as mismatch_config
 from tests.data.test_pipeline import write_hf_tokenizer
 from tests.models.test_hf import tiny_hf
 from tests.rl.test_loop import compile_once  # noqa: F401 (autouse: the resume compiles nothing)
 from tests.test_main import comparable, data_dir, smoke  # noqa: F401 (data_dir: a fixture)
 from trace_jax import mismatch
+from trace_jax import sharding as S
 from trace_jax.data.tokenizer import HFTokenizer
 from trace_jax.models import load_hf
 from trace_jax.models.hf import read_hf_config
 from trace_jax.rl.checkpoint import Checkpointer
-from trace_jax.rl.loop import load_run, train
+from trace_jax.rl.loop import Run, load_run, train
 from trace_jax.rl.validate import validate
 from trace_jax.rl.writer import read_metrics
-from configs import mismatch as mismatch_config
 
 RL_STEPS = 3
 
@@ -84,6 +87,21 @@ def test_grpo_runs_from_the_checkpoint_and_reloads_without_it(run, data_dir, tmp
   train(config(data_dir, hf_path), resumed, progress=False, log=messages.append)
   assert "resumed from step 2" in "\n".join(messages)
   assert comparable(read_metrics(resumed)) == comparable(read_metrics(run_dir))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake CPU) devices")
+def test_the_weights_load_straight_into_the_training_sharding(hf_dir, data_dir, tmp_path):
+  c = config(data_dir, hf_dir, "mesh.data=4", "mesh.expert=2")
+  validate(c)
+  run = Run(c, str(tmp_path), HFTokenizer.from_directory(hf_dir))
+  params = run.initial_state()["params"]
+  want = S.param_shardings(params, run.mesh, S.TRAIN_RULES)
+  assert all(a.sharding == sh for a, sh in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
+  assert params["layers"][0]["w_gate"].sharding.spec == P("expert", None, None)
+  assert {s.data.shape for s in params["layers"][0]["w_gate"].addressable_shards} == {(3, 64, 64)}
+  abstract = run.abstract_state()["params"]  # what a checkpoint of the run restores into
+  assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), abstract) == jax.tree.map(
+      lambda a: (a.shape, a.dtype, a.sharding), params)
 
 
 def test_the_probe_runs_on_the_checkpoint(hf_dir):
