@@ -56,7 +56,7 @@ def generate(hf_path: str, precision: str, problems: list[dict], max_new_tokens:
                      "not stop")
   recipe = QuantRecipe.uniform(precision)
   engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=max_new_tokens,
-                                                     temperature=0.0, stop_tokens=(tok.eos_id,),
+                                                     temperature=0.0, stop_tokens=tok.stop_ids,
                                                      pad_id=tok.pad_id))
   weights = pack_weights(cfg, params, recipe)
   out = []

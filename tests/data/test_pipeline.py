@@ -1,10 +1,41 @@
 """Tokenizers and the input pipeline."""
 
+import json
+import string
+
 import numpy as np
 import pytest
 
 from trace_jax.data.pipeline import left_pad, record_batches, supervised_batch
-from trace_jax.data.tokenizer import CharTokenizer, load_tokenizer, load_tokenizer_json
+from trace_jax.data.tokenizer import (CharTokenizer, HFTokenizer, load_tokenizer,
+                                      load_tokenizer_json)
+
+# the special tokens and chat template of Qwen3's tokenizer, over a character vocabulary
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHARS = string.digits + "+-*/=()." + string.ascii_lowercase + " \n"
+
+
+def write_hf_tokenizer(directory, chars=CHARS) -> None:
+  """A checkpoint's tokenizer files: tokenizer.json (WordLevel over single characters, Qwen3's
+  special tokens first), tokenizer_config.json (eos <|im_end|>, pad <|endoftext|>, the chat
+  template) and generation_config.json's eos_token_id (both)."""
+  from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+  vocab = {t: i for i, t in enumerate(SPECIALS + sorted(set(chars)))}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[0]))
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens(SPECIALS)
+  tok.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": {"content": "<|im_end|>"}, "pad_token": "<|endoftext|>",
+       "chat_template": CHAT, "model_max_length": 8}))
+  gen = directory / "generation_config.json"
+  raw = json.loads(gen.read_text()) if gen.exists() else {}
+  gen.write_text(json.dumps({**raw, "eos_token_id": [2, 0]}))
 
 
 def test_char_tokenizer_round_trip_and_save(tmp_path):
@@ -52,6 +83,36 @@ def test_hf_tokenizer_file(tmp_path):
   tok = load_tokenizer(str(tmp_path))
   assert tok.encode("a b a") == [1, 2, 1] and tok.eos_id == 0
   assert tok.decode([1, 2, 0, 1]) == "a b"
+
+
+def test_a_checkpoints_tokenizer_its_stops_and_chat_template(tmp_path):
+  pytest.importorskip("tokenizers")
+  pytest.importorskip("jinja2")
+  write_hf_tokenizer(tmp_path)
+  tok = load_tokenizer(str(tmp_path))
+  assert isinstance(tok, HFTokenizer)
+  assert (tok.eos_id, tok.pad_id, tok.stop_ids) == (2, 0, (2, 0))
+  ids = tok.encode("12+7=")
+  assert len(ids) == 5 and tok.decode(ids + [0, 5]) == tok.decode(ids + [2, 5]) == "12+7="
+  chat = tok.chat("12+7=")
+  assert chat == "<|im_start|>user\n12+7=<|im_end|>\n<|im_start|>assistant\n"
+  assert tok.encode(chat)[:1] == [1] and tok.encode(chat).count(2) == 1  # specials: one token
+  # a checkpoint's metadata and a run's workdir give the same tokenizer back
+  (tmp_path / "saved").mkdir()
+  tok.save(str(tmp_path / "saved"))
+  for again in (load_tokenizer_json(json.loads(json.dumps(tok.to_json()))),
+                load_tokenizer(str(tmp_path / "saved"))):
+    assert again.encode(chat) == tok.encode(chat) and again.chat("1") == tok.chat("1")
+    assert (again.eos_id, again.pad_id, again.stop_ids) == (2, 0, (2, 0))
+  b = supervised_batch(tok, [chat], [[("19", True), ("<eos>", True)]], 24, 3)
+  assert tok.decode(b["tokens"][0, 24:]) == "19" and b["tokens"][0, 26] == 2
+
+  (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+  with pytest.raises(ValueError, match="eos_token '</s>' is not in the vocabulary"):
+    load_tokenizer(str(tmp_path))
+  (tmp_path / "tokenizer_config.json").write_text("{}")
+  with pytest.raises(ValueError, match="has no chat template"):
+    load_tokenizer(str(tmp_path)).chat("1")
 
 
 def test_left_pad_and_supervised_batch():

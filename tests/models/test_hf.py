@@ -13,10 +13,11 @@ transformers = pytest.importorskip("transformers")
 from trace_jax.models import load_hf, logits  # noqa: E402
 
 
-def tiny_hf(tmp_path, *, fused: bool, old_keys: bool, norm_topk: bool, tied: bool = False):
+def tiny_hf(tmp_path, *, fused: bool, old_keys: bool, norm_topk: bool, tied: bool = False,
+            dtype=None, n_layers: int = 3, d_ff: int = 48):
   cfg = transformers.Qwen3MoeConfig(
-      vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=48,
+      vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=d_ff,
       num_experts=6, num_experts_per_tok=2, norm_topk_prob=norm_topk, rms_norm_eps=1e-6,
       initializer_range=0.3,  # large init: router logits far apart, so top-k is decisive
       tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 5e4})
@@ -26,7 +27,9 @@ def tiny_hf(tmp_path, *, fused: bool, old_keys: bool, norm_topk: bool, tied: boo
     for name, p in model.named_parameters():
       if "norm" in name:
         p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
-  out = tmp_path / f"hf_{fused}_{old_keys}_{norm_topk}_{tied}"
+  if dtype is not None:  # e.g. torch.bfloat16: the files hold that dtype
+    model = model.to(dtype)
+  out = tmp_path / f"hf_{fused}_{old_keys}_{norm_topk}_{tied}_{dtype}_{n_layers}_{d_ff}"
   model.save_pretrained(out)  # per-expert tensors, new config keys
   if fused:  # the in-memory layout: gate_up_proj [E, 2F, D] and down_proj [E, D, F]
     from safetensors.torch import save_file

@@ -29,9 +29,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.long_horizon = ml_collections.ConfigDict(dict(turns=32, modulus=10))
   c.max_prompt_len = 8  # tokens; prompts are left-padded to it
 
+  # the policy's shape, randomly initialised; or hf_path: a Hugging Face Qwen3-MoE directory
+  # whose weights, config, tokenizer.json and stop tokens the run starts from (the shape keys
+  # then stay at their defaults), and chat_template: wrap each task prompt in its chat template
+  # as one user turn (trace_jax.rl.hf_policy)
   c.model = ml_collections.ConfigDict(dict(
       d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=4, top_k=2,
-      d_ff=128, init_scale=1.0))
+      d_ff=128, init_scale=1.0, hf_path="", chat_template=False))
 
   c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3))
 

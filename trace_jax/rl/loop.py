@@ -1,6 +1,8 @@
 """The RL run: a supervised warm start, then GRPO with the mode's rollout and trainer.
 
 `train(config, workdir)` is the whole run; it resumes from the newest checkpoint in `workdir`.
+The policy starts from a random init, or from a Hugging Face checkpoint (`model.hf_path`:
+trace_jax.rl.hf_policy).
 Every step writes a row of DESIGN section 7 metrics; a step's data and sampling key are functions
 of the step number, so a resumed run continues exactly as an uninterrupted one. A SIGTERM or
 Ctrl-C stops the run between steps, with a checkpoint of the steps done.
@@ -22,9 +24,9 @@ from tqdm import tqdm
 
 from trace_jax import sharding as S
 from trace_jax.data.pipeline import demonstration, record_batches, supervised_batch
-from trace_jax.data.tokenizer import CharTokenizer, load_tokenizer_json
+from trace_jax.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer_json
 from trace_jax.models import ModelConfig, init_params, pack_weights
-from trace_jax.rl import grpo
+from trace_jax.rl import grpo, hf_policy
 from trace_jax.rl import metrics as M
 from trace_jax.rl.checkpoint import Checkpointer
 from trace_jax.rl.defaults import base_config
@@ -41,11 +43,15 @@ from trace_jax.rl.writer import MetricsWriter, read_metrics
 class Run:
   """Everything a step needs, built once from the config."""
 
-  def __init__(self, c: ml_collections.ConfigDict, workdir: str, tokenizer):
+  def __init__(self, c: ml_collections.ConfigDict, workdir: str, tokenizer,
+               model: ModelConfig | None = None):
+    """`model`: the policy's config as a checkpoint saved it (default: from the config)."""
     self.c, self.workdir, self.tok = c, workdir, tokenizer
     self.task = make_task(c.task)
     self.sources = self.task.prepare(c.data_dir or None)
-    self.cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **c.model)
+    if c.model.chat_template:
+      self.task = hf_policy.ChatPrompts(self.task, tokenizer)
+    self.cfg = model or hf_policy.model_config(c, tokenizer)
     self.setup = mode_setup(c.rl.mode, c.rl.fp4, c.rl.trace_layers, c.rl.rollout_recipe,
                             c.rl.train_recipe)
     options = RLOptions(clip_eps=c.rl.clip_eps, correction=c.rl.correction,
@@ -58,7 +64,7 @@ class Run:
     # single-turn answers end at <eos>; multi-turn episodes run a fixed number of tokens
     multi = self.task.max_turns > 1
     self.new_tokens = episode_length(self.task) if multi else c.rl.max_new_tokens
-    stops = () if multi else (tokenizer.eos_id,)
+    stops = () if multi else tuple(tokenizer.stop_ids)
     sampling = SamplingConfig(max_new_tokens=self.new_tokens, temperature=c.rl.temperature,
                               top_p=c.rl.top_p, stop_tokens=stops, pad_id=tokenizer.pad_id)
     engine = functools.partial(RolloutEngine, self.cfg, self.setup.rollout,
@@ -97,11 +103,23 @@ class Run:
   def place_rollout(self, x):
     return S.place(x, S.batch_shardings(x, self.mesh, S.ROLLOUT_RULES))
 
-  def initial_state(self, reference: bool = False) -> dict:
-    """The state before step 0; with `reference`, shaped as from the first RL step on."""
+  def initial_state(self, reference: bool = False, *, random: bool = False) -> dict:
+    """The state before step 0 (the checkpoint's weights with model.hf_path, unless `random`);
+    with `reference`, shaped as from the first RL step on."""
     init_key, key = jax.random.split(jax.random.PRNGKey(self.c.seed))
-    state = {**self.trainer.init_state(init_params(self.cfg, init_key)), "key": key}
+    if self.c.model.hf_path and not random:
+      params = hf_policy.load_params(self.c.model.hf_path, self.cfg, self.mesh)
+    else:
+      params = init_params(self.cfg, init_key)
+    state = {**self.trainer.init_state(params), "key": key}
     return self.trainer.with_reference(state) if reference else state
+
+  def abstract_state(self, reference: bool = False) -> dict:
+    """The shapes, dtypes and training shardings of `initial_state`, computing nothing: what
+    a checkpoint restores into."""
+    shapes = jax.eval_shape(functools.partial(self.initial_state, reference, random=True))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, S.param_shardings(shapes, self.mesh, S.TRAIN_RULES))
 
   def has_reference(self, step: int) -> bool:
     """Whether the state after `step` steps holds the KL penalty's reference: the policy where
@@ -213,9 +231,10 @@ def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = Fals
       continue
     if run is None:
       _check_same_config(_config_json(saved_config(meta["config"])), _config_json(c), workdir)
-      run = Run(c, workdir, load_tokenizer_json(meta["tokenizer"]))
+      model = ModelConfig(**meta["model"]) if "model" in meta else None
+      run = Run(c, workdir, load_tokenizer_json(meta["tokenizer"]), model)
     try:
-      state, _ = ckpt.restore(step, run.initial_state(reference=run.has_reference(step)))
+      state, _ = ckpt.restore(step, run.abstract_state(reference=run.has_reference(step)))
     except Exception as e:  # noqa: BLE001
       unreadable.append((step, e))
       continue
@@ -228,7 +247,9 @@ def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = Fals
     log(f"checkpoint {ckpt.path(step)} cannot be read ({_reason(e)}); "
         + (f"set aside as {ckpt.set_aside(step)}" if set_aside else "skipped"))
   if state is None:
-    run = Run(c, workdir, CharTokenizer(make_task(c.task).alphabet()))
+    tokenizer = (HFTokenizer.from_directory(c.model.hf_path) if c.model.hf_path
+                 else CharTokenizer(make_task(c.task).alphabet()))
+    run = Run(c, workdir, tokenizer)
     state = run.initial_state()
   return run, run.place_state(state), start
 
@@ -273,7 +294,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
 
   def save(done):
     meta = {"step": done, "data_position": done, "tokenizer": tokenizer.to_json(),
-            "config": _config_json(c)}
+            "model": dataclasses.asdict(run.cfg), "config": _config_json(c)}
     writer.sync()
     ckpt.save(done, state, meta)
 

@@ -9,6 +9,7 @@ import ml_collections
 
 from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
 from trace_jax.models.recipe import QuantRecipe, parse_layers, precisions
+from trace_jax.rl import hf_policy
 from trace_jax.rl.grpo import CORRECTIONS
 from trace_jax.rl.trainer import MODES
 from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask, sandbox
@@ -67,16 +68,18 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   """Raises ValueError naming the first bad key (unknown keys fail earlier, in set_key)."""
   _choice("rl.mode", c.rl.mode, MODES)
   _choice("rl.fp4", c.rl.fp4, [p for p in precisions() if p != "bf16"])
-  for key in ("rollout_recipe", "train_recipe"):
-    if c.rl[key]:
-      try:
-        QuantRecipe.parse(c.rl[key]).check(c.model.n_layers)
-      except ValueError as e:
-        raise ValueError(f"rl.{key}: {e}") from None
   _choice("rl.correction", c.rl.correction, CORRECTIONS)
   _choice("engine.kernels", c.engine.kernels, KERNELS)
   _choice("engine.attention_kernel", c.engine.attention_kernel, ATTENTION_KERNELS)
-  parse_layers(c.rl.trace_layers, c.model.n_layers, what="rl.trace_layers")
+  hf = hf_policy.check(c)  # the checkpoint's shape with model.hf_path
+  n_layers = (hf or c.model).n_layers
+  parse_layers(c.rl.trace_layers, n_layers, what="rl.trace_layers")
+  for key in ("rollout_recipe", "train_recipe"):
+    if c.rl[key]:
+      try:
+        QuantRecipe.parse(c.rl[key]).check(n_layers)
+      except ValueError as e:
+        raise ValueError(f"rl.{key}: {e}") from None
   _positive(c, "sft.batch_size", "rl.prompts_per_step", "rl.max_new_tokens", "rl.lr",
             "eval.every", "eval.size", "eval.batch_size", "checkpoint.every",
             "checkpoint.keep", "max_prompt_len", "rl.minibatches", "rl.correction_cap")
