@@ -71,7 +71,8 @@ def random_prompts(cfg: ModelConfig, c, rng: np.random.Generator) -> list[list[i
 
 def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
   """One rollout batch at `precision` with every layer's records and every site's codes, on the
-  engine's kernels (`c.kernels`). -> (recipe, batch, seconds the timed generation took)."""
+  engine's kernels (`c.kernels`). -> (recipe, batch); `times` gets the seconds of compiling
+  and running it."""
   times = {} if times is None else times
   recipe = QuantRecipe.uniform(precision)
   sampling = SamplingConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature,
@@ -89,7 +90,7 @@ def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
   batch = engine.generate(weights, tokens, lengths, key)
   jax.block_until_ready(batch.tokens)
   times["rollout_s"] = time.perf_counter() - start
-  return recipe, batch, times["rollout_s"]
+  return recipe, batch
 
 
 def _setting(cfg, recipe, temperature, params, batch, guide_L, replay):
@@ -112,7 +113,7 @@ def probe_precision(cfg, params, precision: str, prompts, c, times: dict | None 
   """One rollout at `precision`, then every (guidance, replay) recomputation of it; `times`
   gets the seconds of each phase."""
   times = {} if times is None else times
-  recipe, batch, rollout_s = rollout(cfg, params, precision, prompts, c, times)
+  recipe, batch = rollout(cfg, params, precision, prompts, c, times)
   n_new = int(jnp.sum(batch.response_mask))
   setting = jax.jit(functools.partial(_setting, cfg, recipe, c.temperature))
   fed = batch.tokens.shape[0] * (batch.tokens.shape[1] - 1)
@@ -133,7 +134,7 @@ def probe_precision(cfg, params, precision: str, prompts, c, times: dict | None 
       row["mismatch/route_flip_rate"] = float(got["route_flips"])
       row["record/bytes_per_token"] = M.record_bytes_per_token(
           {i: batch.records[i] for i in layers}, fed)
-      row["rollout/tokens_per_s"] = n_new / rollout_s
+      row["rollout/tokens_per_s"] = n_new / times["rollout_s"]
       row["rollout/response_tokens"] = n_new
       rows.append(row)
       times["settings_s"].append(time.perf_counter() - start)
@@ -144,9 +145,9 @@ def phase_line(precision: str, n: int, total_s: float, times: dict) -> str:
   """`# mxfp4: 6 settings in 40s (...)`: where the time went."""
   s = times["settings_s"]
   rest = f", then {sum(s[1:]) / (len(s) - 1):.2f}s each" if len(s) > 1 else ""
-  return (f"# {precision}: {n} settings in {total_s:.0f}s (rollout: {times['rollout_compile_s']:.1f}s"
-          f" with compiling, {times['rollout_s']:.2f}s timed; settings: {s[0]:.1f}s the first"
-          f"{rest})")
+  return (f"# {precision}: {n} settings in {total_s:.0f}s (rollout: "
+          f"{times['rollout_compile_s']:.1f}s with compiling, {times['rollout_s']:.2f}s timed; "
+          f"settings: {s[0]:.1f}s the first{rest})")
 
 
 def run(c: ml_collections.ConfigDict, log=print) -> list[dict]:
