@@ -10,7 +10,9 @@ mode (MXFP4 weights, activations and KV cache in the rollout; QAT guided by the 
 records). About 3 minutes on 2 CPU cores; greedy eval accuracy of the FP4 policy rises from
 0.37 after the warm start to 0.57, the mean training reward from 0.24 to 0.54. Variants: one
 per mode (bf16, fp4_rollout, fp4_qat, trace, trace_all), `smoke` (a few steps of everything, for
-tests), and any key=value, e.g. `rl.correction=tis`. All keys: trace_jax/rl/defaults.py.
+tests), `gpu` (a 12-layer, d_model-512, 16-expert policy and larger batches, for one H200:
+`configs/reasoning.py:gpu,trace_all`), and any key=value, e.g. `rl.correction=tis`. All keys:
+trace_jax/rl/defaults.py.
 """
 
 from trace_jax.rl.defaults import VARIANTS, config

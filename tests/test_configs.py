@@ -50,3 +50,12 @@ def test_ablation_config_is_the_family_config_resized():
   assert (smoke.sft.steps, smoke.rl.steps, smoke.log.flip_rate_every) == (3, 6, 2)
   with pytest.raises(ValueError, match="unknown ablation family 'chess'.*long_horizon"):
     ablation.get_config("family=chess")
+
+
+@pytest.mark.parametrize("family", ["reasoning", "coding", "long_horizon"])
+def test_the_gpu_variant_is_the_h200_size_and_validates(family):
+  from trace_jax.rl.validate import validate
+  c = load(CONFIGS[0].parent / f"{family}.py").get_config("gpu,trace_all")
+  assert (c.model.n_layers, c.model.d_model, c.model.n_experts) == (12, 512, 16)
+  assert (c.rl.mode, c.rl.kernels) == ("trace_all", "xla")
+  validate(c, n_devices=1)

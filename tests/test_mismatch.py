@@ -1,22 +1,51 @@
 """The mismatch probe end to end on the tiny model."""
 
+import functools
 import json
 
+import jax
 import pytest
 
 from configs import mismatch as mismatch_config
 from trace_jax import mismatch
+from trace_jax.models import QuantRecipe
+from trace_jax.rl import metrics as M
 
 
-@pytest.fixture(scope="module")
-def rows():
+def quick_config():
   c = mismatch_config.get_config("quick,max_new_tokens=24")
   c.precisions = "bf16,mxfp4"
   c.guidance = "none,last:1,all"
+  return c
+
+
+@pytest.fixture(scope="module")
+def probe():
+  """The probe's rows, how often it traced the training path, and its rollout batches."""
+  traces, batches = [], {}
+
+  def counting_recompute(*args, **kwargs):  # runs once per trace under jit
+    traces.append(1)
+    return recompute(*args, **kwargs)
+
+  class Engine(mismatch.RolloutEngine):
+    def generate(self, *args, **kwargs):
+      batches[self.recipe] = batch = super().generate(*args, **kwargs)
+      return batch
+
+  recompute = mismatch.recompute
   lines = []
-  out = mismatch.run(c, log=lines.append)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(mismatch, "recompute", counting_recompute)
+    mp.setattr(mismatch, "RolloutEngine", Engine)
+    out = mismatch.run(quick_config(), log=lines.append)
   assert sum(1 for line in lines if line.startswith("{")) == len(out)
-  return out
+  return {"rows": out, "traces": len(traces), "batches": batches, "lines": lines}
+
+
+@pytest.fixture(scope="module")
+def rows(probe):
+  return probe["rows"]
 
 
 def test_rows_have_the_design_keys(rows):
@@ -45,6 +74,68 @@ def test_the_picture(rows):
   assert trace_all["mismatch/route_flip_rate"] == 0.0
 
 
+def test_each_precision_traces_the_training_path_once(probe):
+  """Every (guidance, replay) setting runs one compiled program (guidance and replay are
+  arrays), not one compilation per setting: on a GPU that was most of the probe's time."""
+  assert probe["traces"] == 2  # bf16 and mxfp4, for 1 + 6 settings
+  assert [line.split(":")[0] for line in probe["lines"] if line.startswith("#")] == [
+      "# bf16", "# mxfp4"]
+  assert all("settings: " in line for line in probe["lines"] if line.startswith("#"))
+
+
+def test_rows_are_those_of_one_recomputation_per_setting(probe):
+  """The guide mask and the replay flag change nothing: a row equals the row of a training
+  path given only that guidance's records and, replay off, no routes (one program each)."""
+  c = quick_config()
+  cfg, params = mismatch.load_policy(c)
+  recipe = QuantRecipe.uniform("mxfp4")
+  batch = probe["batches"][recipe]
+  train = jax.jit(functools.partial(mismatch.recompute, cfg, recipe=recipe,
+                                    temperature=c.temperature, collect_codes=True))
+  predicts = batch.response_mask[:, 1:]
+  for guidance, replay in (("last:1", False), ("all", True)):
+    records = {i: batch.records[i] for i in mismatch.parse_layers(guidance, cfg.n_layers)}
+    out = train(params, batch.tokens, batch.valid, records=records,
+                routes=batch.routes if replay else None, rollout_routes=batch.routes)
+    want = M.logp_mismatch(batch.logp, out.logp, batch.response_mask,
+                           prompt_width=batch.prompt_width, n_buckets=c.n_buckets)
+    want.update(M.flip_rates(cfg, recipe, batch.codes, out.codes, predicts,
+                             routes_rollout=batch.routes, routes_train=out.routes,
+                             prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
+    want["mismatch/route_flip_rate"] = M.route_flip_rate(batch.routes, out.routes, predicts)
+    got = next(r for r in probe["rows"] if (r["rollout_quant"], r["records"],
+                                            r["routing_replay"]) == ("mxfp4", guidance, replay))
+    assert {k: got[k] for k in want} == want, (guidance, replay)
+    assert [k for k in got if k in want] == list(want)  # the JSON lines' order too
+  # last:1 leaves layer 0 to round to nearest, where the two paths' codes differ
+  assert next(r for r in probe["rows"] if r["records"] == "last:1")[
+      "mismatch/flip_rate/attn_out/layer_0"] > 0
+
+
+def test_the_kernels_key_reaches_the_engine_and_the_weight_sync(monkeypatch):
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def pack_weights(cfg, params, recipe, ops):
+    seen["weights_ops"] = ops
+    raise Stop
+
+  class Engine(mismatch.RolloutEngine):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      seen["kernels"], seen["engine_ops"] = kwargs["kernels"], self.ops
+
+  monkeypatch.setattr(mismatch, "RolloutEngine", Engine)
+  monkeypatch.setattr(mismatch, "pack_weights", pack_weights)
+  c = mismatch_config.get_config("quick,kernels=pallas,precisions=mxfp4")
+  with pytest.raises(Stop):
+    mismatch.run(c)
+  assert seen["kernels"] == "pallas" and seen["weights_ops"] is seen["engine_ops"]
+  assert type(seen["engine_ops"]).__name__ == "KernelOps"
+
+
 def test_table_renders(rows):
   text = mismatch.table(rows, n_layers=2)
   assert text.count("\n") == len(rows) + 1 and "mxfp4" in text
@@ -58,4 +149,7 @@ def test_bad_choices_fail_before_work():
   c = mismatch_config.get_config("quick")
   c.guidance = "last:x"
   with pytest.raises(ValueError, match="guidance='last:x'"):
+    mismatch.run(c)
+  c = mismatch_config.get_config("quick,kernels=cuda")
+  with pytest.raises(ValueError, match=r"kernels='cuda': choose from \['xla', 'pallas'\]"):
     mismatch.run(c)

@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
 from trace_jax import cli
 from trace_jax.models import QuantRecipe, init_params, load_hf, pack_weights, parse_layers, preset
 from trace_jax.models.config import PRESETS, ModelConfig
@@ -66,55 +67,93 @@ def random_prompts(cfg: ModelConfig, c, rng: np.random.Generator) -> list[list[i
   return [rng.integers(1, cfg.vocab_size, n).tolist() for n in lens]
 
 
-def probe_precision(cfg, params, precision: str, prompts, c) -> list[dict]:
-  """One rollout at `precision`, then every (guidance, replay) recomputation of it."""
+def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
+  """One rollout batch at `precision` with every layer's records and every site's codes, on the
+  engine's kernels (`c.kernels`). -> (recipe, batch); `times` gets the seconds of compiling
+  and running it."""
+  times = {} if times is None else times
   recipe = QuantRecipe.uniform(precision)
   sampling = SamplingConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature,
                             top_p=c.top_p)
   engine = RolloutEngine(cfg, recipe, sampling, records="all", collect_codes=True,
-                         attn_chunk=c.attn_chunk)
-  weights = pack_weights(cfg, params, recipe)
+                         attn_chunk=c.attn_chunk, kernels=c.kernels,
+                         attention_kernel=c.attention_kernel)
+  start = time.perf_counter()
+  weights = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=engine.ops))(params)
   tokens, lengths = pad_prompts(prompts)
   key = jax.random.PRNGKey(c.seed)
   jax.block_until_ready(engine.generate(weights, tokens, lengths, key).tokens)  # compile
+  times["rollout_compile_s"] = time.perf_counter() - start
   start = time.perf_counter()
   batch = engine.generate(weights, tokens, lengths, key)
   jax.block_until_ready(batch.tokens)
-  rollout_s = time.perf_counter() - start
-  n_new = int(jnp.sum(batch.response_mask))
+  times["rollout_s"] = time.perf_counter() - start
+  return recipe, batch
 
-  train = jax.jit(functools.partial(recompute, cfg, recipe=recipe, temperature=c.temperature,
-                                    collect_codes=True))
+
+def _setting(cfg, recipe, temperature, params, batch, guide_L, replay):
+  """One (guidance, replay) recomputation and its metrics' arrays: traced once per precision,
+  the guidance and replay being arrays (`TrainPath`), so no setting recompiles."""
+  out = recompute(cfg, params, batch.tokens, batch.valid, recipe, records=batch.records,
+                  routes=batch.routes, rollout_routes=batch.routes, guide_layers=guide_L,
+                  replay=replay, temperature=temperature, collect_codes=True)
   predicts_response = batch.response_mask[:, 1:]  # positions whose outputs score a response
+  return {
+      "logp": M.logp_mismatch_arrays(batch.logp, out.logp, batch.response_mask),
+      "flips": M.flip_counts(cfg, recipe, batch.codes, out.codes, predicts_response,
+                             batch.routes, out.routes) if batch.codes else None,
+      "route_flips": M.route_flips(batch.routes, out.routes, predicts_response),
+  }
+
+
+def probe_precision(cfg, params, precision: str, prompts, c, times: dict | None = None
+                    ) -> list[dict]:
+  """One rollout at `precision`, then every (guidance, replay) recomputation of it; `times`
+  gets the seconds of each phase."""
+  times = {} if times is None else times
+  recipe, batch = rollout(cfg, params, precision, prompts, c, times)
+  n_new = int(jnp.sum(batch.response_mask))
+  setting = jax.jit(functools.partial(_setting, cfg, recipe, c.temperature))
   fed = batch.tokens.shape[0] * (batch.tokens.shape[1] - 1)
   guidances = _choices(c.guidance, None, "guidance") if recipe.recorded_sites(0, 1) else ["none"]
-  rows = []
+  rows, times["settings_s"] = [], []
   for guidance in guidances:
     layers = parse_layers(guidance, cfg.n_layers, what="guidance")
-    records = {i: batch.records[i] for i in layers}
+    guide_L = jnp.asarray([i in layers for i in range(cfg.n_layers)])
     for replay in _choices(c.routing_replay, ("off", "on"), "routing_replay"):
-      routes = batch.routes if replay == "on" else None
-      out = train(params, batch.tokens, batch.valid, records=records, routes=routes,
-                  rollout_routes=batch.routes)
+      start = time.perf_counter()
+      got = jax.device_get(setting(params, batch, guide_L, jnp.asarray(replay == "on")))
       row = {"rollout_quant": precision, "records": guidance, "routing_replay": replay == "on"}
-      row.update(M.logp_mismatch(batch.logp, out.logp, batch.response_mask,
-                                 prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
+      row.update(M.logp_mismatch_summary(got["logp"], batch.response_mask,
+                                         prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
       if batch.codes:
-        row.update(M.flip_rates(cfg, recipe, batch.codes, out.codes, predicts_response,
-                                routes_rollout=batch.routes, routes_train=out.routes,
-                                prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
-      row["mismatch/route_flip_rate"] = M.route_flip_rate(batch.routes, out.routes,
-                                                          predicts_response)
-      row["record/bytes_per_token"] = M.record_bytes_per_token(records, fed)
-      row["rollout/tokens_per_s"] = n_new / rollout_s
+        row.update(M.flip_rates_summary(got["flips"], batch.codes, batch.response_mask[:, 1:],
+                                        prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
+      row["mismatch/route_flip_rate"] = float(got["route_flips"])
+      row["record/bytes_per_token"] = M.record_bytes_per_token(
+          {i: batch.records[i] for i in layers}, fed)
+      row["rollout/tokens_per_s"] = n_new / times["rollout_s"]
       row["rollout/response_tokens"] = n_new
       rows.append(row)
+      times["settings_s"].append(time.perf_counter() - start)
   return rows
+
+
+def phase_line(precision: str, n: int, total_s: float, times: dict) -> str:
+  """`# mxfp4: 6 settings in 40s (...)`: where the time went."""
+  s = times["settings_s"]
+  rest = f", then {sum(s[1:]) / (len(s) - 1):.2f}s each" if len(s) > 1 else ""
+  return (f"# {precision}: {n} settings in {total_s:.0f}s (rollout: "
+          f"{times['rollout_compile_s']:.1f}s with compiling, {times['rollout_s']:.2f}s timed; "
+          f"settings: {s[0]:.1f}s the first{rest})")
 
 
 def check(c: ml_collections.ConfigDict) -> None:
   """Every bad value fails here, by name, before any work."""
   _choices(c.precisions, precisions(), "precisions")
+  for key, allowed in (("kernels", KERNELS), ("attention_kernel", ATTENTION_KERNELS)):
+    if c[key] not in allowed:
+      raise ValueError(f"{key}={c[key]!r}: choose from {list(allowed)}")
   for g in _choices(c.guidance, None, "guidance"):
     parse_layers(g, 10**6, what="guidance")
   _choices(c.routing_replay, ("off", "on"), "routing_replay")
@@ -144,9 +183,9 @@ def run(c: ml_collections.ConfigDict, log=print) -> list[dict]:
   prompts = random_prompts(cfg, c, np.random.default_rng(c.seed))
   rows = []
   for precision in chosen:
-    start = time.perf_counter()
-    new = probe_precision(cfg, params, precision, prompts, c)
-    log(f"# {precision}: {len(new)} settings in {time.perf_counter() - start:.0f}s")
+    start, times = time.perf_counter(), {}
+    new = probe_precision(cfg, params, precision, prompts, c, times)
+    log(phase_line(precision, len(new), time.perf_counter() - start, times))
     for row in new:
       log(json.dumps(row))
     rows += new

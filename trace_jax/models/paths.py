@@ -53,14 +53,22 @@ class TrainPath:
   `routes_LxBxTxk`: experts to replay instead of the trainer's top-k; `rollout_routes_LxBxTxk`
   (default: the replayed ones): the rollout's experts, which moe_mid records are laid out by. A
   moe_mid record guides a slot only where the trainer's expert is among the rollout's for that
-  token (with that expert's record); other slots round to nearest."""
+  token (with that expert's record); other slots round to nearest.
+
+  `guide_L` (bool [n_layers], traced): which layers' records guide; a layer set False rounds to
+  nearest, the same values as without its record. `replay` (bool, traced): whether the given
+  routes replace the trainer's top-k. Both let one compiled program serve every guidance and
+  replay setting (the mismatch probe), where leaving records or routes out would compile one
+  program per setting."""
 
   def __init__(self, cfg: ModelConfig, valid_BxT: jax.Array, recipe: QuantRecipe = QuantRecipe(),
                records: Records | None = None, routes_LxBxTxk: jax.Array | None = None,
                collect_codes: bool = False, code_recipe: QuantRecipe | None = None,
-               rollout_routes_LxBxTxk: jax.Array | None = None):
+               rollout_routes_LxBxTxk: jax.Array | None = None, guide_L: jax.Array | None = None,
+               replay: jax.Array | None = None):
     self.cfg, self.recipe, self.valid = cfg, recipe, valid_BxT
     self.records = records or {}
+    self.guide_L, self.replay = guide_L, replay
     self.routes = routes_LxBxTxk
     self.rollout_routes = (routes_LxBxTxk if rollout_routes_LxBxTxk is None
                            else rollout_routes_LxBxTxk)
@@ -85,18 +93,21 @@ class TrainPath:
   def act(self, x, layer, site):
     fmt = self.recipe.site_format(site, layer, self.cfg.n_layers)
     rec = self.records.get(layer, {}).get(site) if fmt is not BF16 else None
-    guided_BxTxk = None  # per expert slot, whether the record guides it (moe_mid)
+    guided = None  # where the record guides, broadcast against x (None: everywhere)
     if rec is not None and site == "moe_mid":
-      rec, guided_BxTxk = self._expert_records(rec, layer)
+      rec, guided = self._expert_records(rec, layer)
+      guided = guided[..., None]  # per expert slot
+    if rec is not None and self.guide_L is not None:
+      guided = self.guide_L[layer] if guided is None else guided & self.guide_L[layer]
     if self.collect_codes:
-      self._collect(x, layer, site, fmt, rec, guided_BxTxk)
+      self._collect(x, layer, site, fmt, rec, guided)
     if fmt is BF16:
       return x
     if rec is None:
       return quant.fake_quant(x, fmt).astype(x.dtype)
     y = quant.guided_quant(x, rec, fmt)  # the rollout's codes, recovered: DESIGN section 5
-    if guided_BxTxk is not None:
-      y = jnp.where(guided_BxTxk[..., None], y, quant.fake_quant(x, fmt))
+    if guided is not None:
+      y = jnp.where(guided, y, quant.fake_quant(x, fmt))
     return y.astype(x.dtype)
 
   def _expert_records(self, rec: quant.Record, layer: int):
@@ -116,15 +127,15 @@ class TrainPath:
 
     return jax.tree.map(take, rec), guided_BxTxk
 
-  def _collect(self, x, layer, site, fmt, rec, guided_BxTxk):
+  def _collect(self, x, layer, site, fmt, rec, guided):
     code_fmt = self.code_recipe.site_format(site, layer, self.cfg.n_layers)
     if code_fmt is BF16:
       return
     nearest = lambda: quant.element_codes(quant.quantize(x, code_fmt))
     if rec is not None and code_fmt == fmt:
       codes = quant.guided_codes(x, rec, fmt)
-      if guided_BxTxk is not None:
-        codes = jnp.where(guided_BxTxk[..., None], codes, nearest())
+      if guided is not None:
+        codes = jnp.where(guided, codes, nearest())
     else:
       codes = nearest()
     _emit(self.codes, layer, site, jax.lax.stop_gradient(codes))
@@ -137,6 +148,8 @@ class TrainPath:
   def route(self, probs, layer):
     if self.routes is not None:  # routing replay: the rollout's experts, the trainer's gates
       idx = self.routes[layer].astype(jnp.int32)
+      if self.replay is not None:
+        idx = jnp.where(self.replay, idx, L.top_k_experts(probs, self.cfg.top_k))
     else:
       idx = L.top_k_experts(probs, self.cfg.top_k)
     self.chosen[layer] = idx

@@ -89,6 +89,16 @@ VARIANTS["smoke"] = {"sft.steps": 3, "rl.steps": 4, "sft.batch_size": 8,
                      "rl.prompts_per_step": 8, "rl.group_size": 2, "eval.size": 8,
                      "eval.batch_size": 8, "eval.every": 3, "checkpoint.every": 2,
                      "log.flip_rate_every": 2, "task.train_size": 64, "task.eval_size": 16}
+# one H200: a 12-layer, d_model-512 policy with 16 experts (~160M params; the CPU default has
+# 2 layers, d_model 128, 4 experts), `trace` recording the deepest third of its layers, and
+# batches a GPU keeps busy. Learning rates and schedules stay the CPU's (untuned at this size);
+# rl.kernels stays xla until the Pallas kernels are measured faster at this size (on the CPU
+# default policy XLA's rollout was the faster one on the H200).
+VARIANTS["gpu"] = {"model.d_model": 512, "model.n_layers": 12, "model.n_heads": 8,
+                   "model.n_kv_heads": 2, "model.head_dim": 64, "model.n_experts": 16,
+                   "model.top_k": 2, "model.d_ff": 512, "rl.trace_layers": "last:4",
+                   "sft.batch_size": 256, "rl.prompts_per_step": 64, "rl.group_size": 8,
+                   "rl.minibatches": 4, "eval.batch_size": 100}
 
 
 def config(overrides: dict, arg: str | None) -> ml_collections.ConfigDict:

@@ -33,19 +33,34 @@ def logp_mismatch(logp_rollout_BxL, logp_train_BxL, mask_BxL, *, prompt_width: i
   over the masked (response) tokens. Both log-probs are of the full temperature-scaled
   distribution (`rollout.SamplingConfig`): under top_p < 1 these measure how far the two paths'
   policies are apart, not how far the trainer is from the nucleus that was sampled."""
+  arrays = jax.device_get(_logp_mismatch_jit(logp_rollout_BxL, logp_train_BxL, mask_BxL))
+  return logp_mismatch_summary(arrays, mask_BxL, prompt_width=prompt_width, n_buckets=n_buckets)
+
+
+LOGP_KEYS = ("mismatch/kl_k3", "mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max",
+             "mismatch/prob_abs_diff_mean", "mismatch/prob_abs_diff_max")
+
+
+def logp_mismatch_arrays(logp_rollout_BxL, logp_train_BxL, mask_BxL) -> dict[str, jax.Array]:
+  """`logp_mismatch`'s numbers as arrays, and the per-token k3 (jittable: no host transfer)."""
   r = logp_train_BxL - logp_rollout_BxL
   k3 = grpo.k3(r)
   dp = jnp.abs(jnp.exp(logp_train_BxL) - jnp.exp(logp_rollout_BxL))
-  out = {
-      "mismatch/kl_k3": masked_mean(k3, mask_BxL),
-      "mismatch/logp_abs_diff_mean": masked_mean(jnp.abs(r), mask_BxL),
-      "mismatch/logp_abs_diff_max": masked_max(jnp.abs(r), mask_BxL),
-      "mismatch/prob_abs_diff_mean": masked_mean(dp, mask_BxL),
-      "mismatch/prob_abs_diff_max": masked_max(dp, mask_BxL),
-  }
-  out = {k: float(v) for k, v in out.items()}
+  values = (masked_mean(k3, mask_BxL), masked_mean(jnp.abs(r), mask_BxL),
+            masked_max(jnp.abs(r), mask_BxL), masked_mean(dp, mask_BxL), masked_max(dp, mask_BxL))
+  return {**dict(zip(LOGP_KEYS, values)), "k3_BxL": k3}
+
+
+_logp_mismatch_jit = jax.jit(logp_mismatch_arrays)
+
+
+def logp_mismatch_summary(arrays: dict, mask_BxL, *, prompt_width: int | None = None,
+                          n_buckets: int = 8) -> dict[str, float | list]:
+  """`logp_mismatch` from the host copy of `logp_mismatch_arrays`."""
+  out = {k: float(arrays[k]) for k in LOGP_KEYS}  # a dict through jit comes back sorted
   if prompt_width is not None:
-    out["mismatch/kl_k3_by_position"] = kl_by_position(k3, mask_BxL, prompt_width, n_buckets)
+    out["mismatch/kl_k3_by_position"] = kl_by_position(arrays["k3_BxL"], mask_BxL, prompt_width,
+                                                       n_buckets)
   return out
 
 
@@ -80,43 +95,85 @@ def flip_rates(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes
   compare (`route_flip_rate` counts those). With `prompt_width`, also the overall rate in
   buckets of the response position each position predicts.
   """
-  out, n_flip, n_all = {}, 0.0, 0.0
+  _check_routes(codes_rollout, routes_rollout, routes_train)
+  counts = jax.device_get(_flip_counts_jit(cfg, recipe, codes_rollout, codes_train, mask_BxT,
+                                           routes_rollout, routes_train))
+  return flip_rates_summary(counts, codes_rollout, mask_BxT, prompt_width=prompt_width,
+                            n_buckets=n_buckets)
+
+
+def _sites(codes: dict) -> list[tuple[int, str]]:
+  return [(layer, site) for layer in sorted(codes) for site in sorted(codes[layer])]
+
+
+def _check_routes(codes_rollout, routes_rollout, routes_train):
+  if any(site == "moe_mid" for _, site in _sites(codes_rollout)) and (
+      routes_rollout is None or routes_train is None):
+    raise ValueError("flip_rates: moe_mid codes are per expert slot; pass both paths' "
+                     "routes (routes_rollout=, routes_train=)")
+
+
+def flip_counts(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes_train: dict,
+                mask_BxT: jax.Array, routes_rollout: jax.Array | None = None,
+                routes_train: jax.Array | None = None) -> dict[str, jax.Array]:
+  """`flip_rates`' counts as arrays (jittable: no host transfer): per site, in `_sites` order,
+  flipped and compared elements (float32 [S]), and both summed over sites per position."""
+  _check_routes(codes_rollout, routes_rollout, routes_train)
+  flips_S, elems_S = [], []
   flips_BxT = jnp.zeros(mask_BxT.shape)
   elems_BxT = jnp.zeros(mask_BxT.shape)
-  for layer in sorted(codes_rollout):
-    for site, c_r in codes_rollout[layer].items():
-      c_t = codes_train[layer][site]
-      sign = recipe.site_format(site, layer, cfg.n_layers).codec.sign_bit
-      canon = lambda c: jnp.where(c == sign, 0, c)
-      m = jnp.asarray(mask_BxT, bool)
-      w = jnp.broadcast_to(m.reshape(*m.shape, *(1,) * (c_r.ndim - 2)), c_r.shape)
-      if site == "moe_mid":
-        if routes_rollout is None or routes_train is None:
-          raise ValueError("flip_rates: moe_mid codes are per expert slot; pass both paths' "
-                           "routes (routes_rollout=, routes_train=)")
-        # the trainer's slot with the rollout slot's expert, where it has one
-        shared_BxTxk, src_BxTxk = L.match_experts(routes_rollout[layer], routes_train[layer])
-        c_t = jnp.take_along_axis(c_t, src_BxTxk[..., None], axis=2)
-        w = w & shared_BxTxk[..., None]
-      w = w.reshape(*c_r.shape[:2], -1).astype(jnp.float32)
-      diff = (canon(c_r) != canon(c_t)).reshape(*c_r.shape[:2], -1) * w
-      flips, total = float(jnp.sum(diff)), float(jnp.sum(w))
-      out[f"mismatch/flip_rate/{site}/layer_{layer}"] = flips / max(total, 1.0)
-      n_flip, n_all = n_flip + flips, n_all + total
-      flips_BxT = flips_BxT + jnp.sum(diff, axis=-1)
-      elems_BxT = elems_BxT + jnp.sum(w, axis=-1)
+  for layer, site in _sites(codes_rollout):
+    c_r, c_t = codes_rollout[layer][site], codes_train[layer][site]
+    sign = recipe.site_format(site, layer, cfg.n_layers).codec.sign_bit
+    canon = lambda c: jnp.where(c == sign, 0, c)
+    m = jnp.asarray(mask_BxT, bool)
+    w = jnp.broadcast_to(m.reshape(*m.shape, *(1,) * (c_r.ndim - 2)), c_r.shape)
+    if site == "moe_mid":
+      # the trainer's slot with the rollout slot's expert, where it has one
+      shared_BxTxk, src_BxTxk = L.match_experts(routes_rollout[layer], routes_train[layer])
+      c_t = jnp.take_along_axis(c_t, src_BxTxk[..., None], axis=2)
+      w = w & shared_BxTxk[..., None]
+    w = w.reshape(*c_r.shape[:2], -1).astype(jnp.float32)
+    diff = (canon(c_r) != canon(c_t)).reshape(*c_r.shape[:2], -1) * w
+    flips_S.append(jnp.sum(diff))
+    elems_S.append(jnp.sum(w))
+    flips_BxT = flips_BxT + jnp.sum(diff, axis=-1)
+    elems_BxT = elems_BxT + jnp.sum(w, axis=-1)
+  stack = lambda xs: jnp.stack(xs) if xs else jnp.zeros((0,))
+  return {"flips_S": stack(flips_S), "elems_S": stack(elems_S), "flips_BxT": flips_BxT,
+          "elems_BxT": elems_BxT}
+
+
+_flip_counts_jit = jax.jit(flip_counts, static_argnums=(0, 1))
+
+
+def flip_rates_summary(counts: dict, codes_rollout: dict, mask_BxT, *,
+                       prompt_width: int | None = None,
+                       n_buckets: int = 8) -> dict[str, float | list]:
+  """`flip_rates` from the host copy of `flip_counts` (codes_rollout: only its structure)."""
+  out, n_flip, n_all = {}, 0.0, 0.0
+  for (layer, site), f, e in zip(_sites(codes_rollout), counts["flips_S"], counts["elems_S"]):
+    flips, total = float(f), float(e)
+    out[f"mismatch/flip_rate/{site}/layer_{layer}"] = flips / max(total, 1.0)
+    n_flip, n_all = n_flip + flips, n_all + total
   out["mismatch/flip_rate"] = n_flip / max(n_all, 1.0)
   if prompt_width is not None:  # position t predicts token t + 1: shift onto token positions
-    shift = lambda a: jnp.pad(a, ((0, 0), (1, 0)))
+    shift = lambda a: np.pad(np.asarray(a), ((0, 0), (1, 0)))
     out["mismatch/flip_rate_by_position"] = by_position(
-        shift(flips_BxT), shift(elems_BxT), shift(mask_BxT), prompt_width, n_buckets)
+        shift(counts["flips_BxT"]), shift(counts["elems_BxT"]), shift(mask_BxT), prompt_width,
+        n_buckets)
   return out
 
 
 def route_flip_rate(routes_rollout, routes_train, mask_BxT) -> float:
   """Fraction of (token, layer) whose top-k expert set differs (routes are sorted id sets)."""
+  return float(route_flips(routes_rollout, routes_train, mask_BxT))
+
+
+def route_flips(routes_rollout, routes_train, mask_BxT) -> jax.Array:
+  """`route_flip_rate` as an array (jittable)."""
   differ = jnp.any(routes_rollout != routes_train, axis=-1)  # [L, B, T]
-  return float(masked_mean(differ, jnp.broadcast_to(mask_BxT, differ.shape)))
+  return masked_mean(differ, jnp.broadcast_to(mask_BxT, differ.shape))
 
 
 def record_bytes_per_token(records: dict, positions: int) -> float:

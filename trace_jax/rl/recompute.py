@@ -33,7 +33,8 @@ def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: 
               recipe: QuantRecipe = QuantRecipe(), *, records: Records | None = None,
               routes: jax.Array | None = None, temperature: float = 1.0,
               collect_codes: bool = False, code_recipe: QuantRecipe | None = None,
-              rollout_routes: jax.Array | None = None) -> TrainOutputs:
+              rollout_routes: jax.Array | None = None, guide_layers: jax.Array | None = None,
+              replay: jax.Array | None = None) -> TrainOutputs:
   """Fake-quantized forward over tokens[:, :-1], scored on tokens[:, 1:].
 
   records: the rollout's records (arrays [B, L-1, ...]); sites without one round to nearest.
@@ -42,12 +43,15 @@ def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: 
   which are laid out by them: a record guides only the slots whose expert the rollout chose.
   collect_codes: also return each site's element codes in the formats of `code_recipe`
   (default: `recipe`), for flip rates against the rollout's.
+  guide_layers: bool [n_layers], which layers' records guide (the others round to nearest, as
+  without a record); replay: bool, whether `routes` replace the trainer's top-k. Both are
+  arrays, so one compiled program serves every guidance and replay setting.
   """
   inputs, targets = tokens_BxL[:, :-1], tokens_BxL[:, 1:]
   valid = valid_BxL[:, :-1]
   pos = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
   path = TrainPath(cfg, valid, recipe, records, routes, collect_codes, code_recipe,
-                   rollout_routes)
+                   rollout_routes, guide_layers, replay)
   logits, routing = forward(cfg, params, inputs, pos, path)
   if temperature > 0:
     logits = logits / temperature
