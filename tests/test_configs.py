@@ -57,5 +57,5 @@ def test_the_gpu_variant_is_the_h200_size_and_validates(family):
   from trace_jax.rl.validate import validate
   c = load(CONFIGS[0].parent / f"{family}.py").get_config("gpu,trace_all")
   assert (c.model.n_layers, c.model.d_model, c.model.n_experts) == (12, 512, 16)
-  assert (c.rl.mode, c.rl.kernels) == ("trace_all", "xla")
+  assert (c.rl.mode, c.engine.kernels) == ("trace_all", "xla")
   validate(c, n_devices=1)
