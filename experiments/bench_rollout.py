@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.timing import copy_bandwidth, kernel_times  # noqa: E402
+from pallas_kernels.timing import copy_bandwidth, kernel_times, wall_seconds  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
 from trace_jax.models.config import qwen3_30b_a3b  # noqa: E402
@@ -133,13 +133,7 @@ def sync_seconds(cfg, recipe, ops, layers: int = 2, reps: int = 3) -> float:
   few = dataclasses.replace(cfg, n_layers=layers)
   params = init_params(few, jax.random.PRNGKey(0))
   sync = jax.jit(lambda p: pack_weights(few, p, recipe, ops=ops))
-  jax.block_until_ready(sync(params))
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(sync(params))
-    samples.append(time.perf_counter() - t0)
-  return float(np.median(samples)) / layers
+  return wall_seconds(sync, params, reps=reps) / layers
 
 
 def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps: int, key,

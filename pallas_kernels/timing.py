@@ -92,14 +92,18 @@ def copy_bandwidth(gib: float = 2.0, reps: int = 7) -> float:
   except ImportError:
     pass
   x = jax.random.normal(jax.random.PRNGKey(1), (int(gib * 2**30) // 4,), jnp.float32)
-  f = jax.jit(lambda a: a * 1.0001)
-  jax.block_until_ready(f(x))
+  return 2 * x.nbytes / wall_seconds(jax.jit(lambda a: a * 1.0001), x, reps=reps)
+
+
+def wall_seconds(fn, *args, reps: int = 7) -> float:
+  """The median host-clock seconds of `fn(*args)` to its results, after one call (compiled)."""
+  jax.block_until_ready(fn(*args))
   samples = []
   for _ in range(reps):
     start = time.perf_counter()
-    jax.block_until_ready(f(x))
+    jax.block_until_ready(fn(*args))
     samples.append(time.perf_counter() - start)
-  return 2 * x.nbytes / statistics.median(samples)
+  return statistics.median(samples)
 
 
 def cuda_event_seconds(torch, call, ws, reps: int = 5) -> float:
