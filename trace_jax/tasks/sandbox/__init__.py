@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import marshal
 import math
 import os
 import secrets
@@ -49,6 +48,7 @@ import subprocess
 import tempfile
 import time
 
+from trace_jax.tasks.sandbox.harness import encode
 from trace_jax.tasks.sandbox.kernel import (HARNESS, UNSANDBOXED, Boundary, BoundaryUnavailable,
                                               boundary, require)
 
@@ -120,12 +120,12 @@ def _spawn(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | 
   if where.bwrap:  # RLIMIT_NPROC counts per user, and only the sandbox's user is its own
     lim["processes"] = limits.processes + (3 if mode == "tests" else 2)  # bwrap's init, ours
   job = dict(job, limits=lim, audit_hook=limits.audit_hook, message_bytes=64 << 20)
-  child_fds = [_data_fd(marshal.dumps(job))]
+  child_fds = [_data_fd(encode(job))]
   tail = [mode, str(child_fds[0])]
   verdict_r = None
   if judge is not None:
     verdict_r, verdict_w = os.pipe()
-    child_fds += [verdict_w, _data_fd(marshal.dumps(judge))]
+    child_fds += [verdict_w, _data_fd(encode(judge))]
     tail += [str(verdict_w), str(child_fds[-1])]
   workdir = None
   if where.bwrap:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
 import os
 import shutil
 import socket
@@ -23,6 +24,8 @@ NOBODY = 65534
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
 HARNESS_INSIDE = "/sandbox/harness.py"  # where the sandbox sees it (a read-only copy)
 OPT_IN = "task.coding.allow_unsandboxed=true (evaluate_humaneval: --allow_unsandboxed)"
+SYSTEM_PATH = "/usr/bin:/bin"  # where the tools come from: never the trainer's PATH
+_VERSION = sys.version_info[:2]
 
 # Syscalls a Python program has no use for that widen what it can reach: other processes'
 # memory and descriptors, namespaces and mounts, kernel surfaces with a history of escapes
@@ -76,6 +79,10 @@ class Boundary:
     if seccomp_fd is not None:
       args += ["--seccomp", str(seccomp_fd)]
     return args + ["--", self.python, "-I", "-S", HARNESS_INSIDE]
+
+
+def _tool(name: str) -> str | None:
+  return shutil.which(name, path=SYSTEM_PATH)
 
 
 UNSANDBOXED = Boundary(bwrap=None, python=sys.executable, binds=(), setpriv=None, seccomp=None)
@@ -137,31 +144,49 @@ def _world_readable(path: str) -> bool:
           and os.stat(path).st_mode & 0o005 == 0o005)
 
 
-def _interpreters():
+def _system_pythons() -> list[str]:
+  """The system's interpreters (/usr/bin/python3.N, 3.8 and later, which the harness runs on),
+  ours first, then the newest."""
+  found = []
+  for path in glob.glob("/usr/bin/python3.*"):
+    minor = os.path.basename(path)[len("python3."):]
+    real = os.path.realpath(path)
+    if minor.isdigit() and int(minor) >= 8 and real.startswith("/usr/"):
+      found.append(((int(minor) == _VERSION[1]), int(minor), real))
+  return list(dict.fromkeys(real for *_, real in sorted(found, reverse=True)))
+
+
+def _interpreters() -> list[tuple[str, tuple[str, ...]]]:
   """(python, binds) to try: ours (its base, not a virtualenv's: the programs need only the
-  standard library, and -S keeps site-packages out), then system ones of the same version."""
-  version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+  standard library, and -S keeps site-packages out), then the system's."""
+  version = f"python{_VERSION[0]}.{_VERSION[1]}"
   ours = os.path.join(sys.base_prefix, "bin", version)
   ours = os.path.realpath(ours if os.path.exists(ours) else sys.executable)
   prefix = os.path.realpath(sys.base_prefix)
-  yield ours, () if prefix.startswith("/usr/") or prefix == "/usr" else (prefix,)
-  for other in (f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
-    if os.path.exists(other) and os.path.realpath(other).startswith("/usr/"):
-      yield os.path.realpath(other), ()
+  found = [(ours, () if prefix.startswith("/usr/") or prefix == "/usr" else (prefix,))]
+  return found + [(python, ()) for python in _system_pythons() if python != ours]
 
 
 def _candidates(bwrap: str, seccomp: bytes | None):
   """Boundaries to probe, best first. A root trainer's sandbox runs as nobody outside its
   namespaces too (util-linux's setpriv switches before bwrap starts, so the trainer still
-  spawns with vfork), with an interpreter nobody can read; failing that, as root."""
-  found = list(_interpreters())
-  setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
-  if os.geteuid() == 0 and setpriv:
+  spawns with vfork), with an interpreter nobody can run, or not at all: started by root, the
+  sandbox's user would be host root, beyond RLIMIT_NPROC."""
+  found = _interpreters()
+  if os.geteuid() != 0:
     for python, binds in found:
-      if all(_world_readable(p) for p in (python, *binds)):
-        yield Boundary(bwrap, python, binds, setpriv, seccomp)
-        break
-  yield Boundary(bwrap, found[0][0], found[0][1], None, seccomp)
+      yield Boundary(bwrap, python, binds, None, seccomp)
+    return
+  setpriv = _tool("setpriv")
+  if not setpriv:
+    raise BoundaryUnavailable("a root trainer's programs run as nobody through setpriv "
+                              "(util-linux), which is not in /usr/bin or /bin")
+  runnable = [(p, b) for p, b in found if all(_world_readable(x) for x in (p, *b))]
+  if not runnable:
+    raise BoundaryUnavailable(f"no Python that nobody may run for the sandbox (not {found[0][0]}, "
+                              "nor a /usr/bin/python3.N): install python3")
+  for python, binds in runnable:
+    yield Boundary(bwrap, python, binds, setpriv, seccomp)
 
 
 PROBE = r"""

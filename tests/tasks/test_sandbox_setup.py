@@ -1,0 +1,48 @@
+"""Setting the boundary up: the interpreter and the user programs run as, the start-up probe, and
+installing bubblewrap where it is missing."""
+
+import os
+import sys
+
+import pytest
+
+from trace_jax.tasks import sandbox
+from trace_jax.tasks.sandbox import kernel
+
+
+@pytest.fixture
+def as_root(monkeypatch):
+  monkeypatch.setattr(kernel.os, "geteuid", lambda: 0)
+
+
+def test_a_root_trainer_without_setpriv_is_refused_not_run_as_root(as_root, monkeypatch):
+  """bwrap started by root leaves the sandbox host uid 0, where RLIMIT_NPROC does not hold."""
+  which = kernel.shutil.which
+  monkeypatch.setattr(kernel.shutil, "which",
+                      lambda name, *a, **k: None if name == "setpriv" else which(name, *a, **k))
+  with pytest.raises(sandbox.BoundaryUnavailable) as refused:
+    list(kernel._candidates("/usr/bin/bwrap", None))
+  assert "setpriv" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_root_trainer_with_no_python_nobody_may_run_is_refused(as_root, monkeypatch):
+  monkeypatch.setattr(kernel, "_world_readable", lambda path: False)
+  with pytest.raises(sandbox.BoundaryUnavailable) as refused:
+    list(kernel._candidates("/usr/bin/bwrap", None))
+  assert "nobody" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_root_trainer_falls_back_to_a_system_python_of_another_version(as_root, monkeypatch):
+  """Python 3.12 from a directory only root may enter and no /usr/bin/python3.12: the system's
+  other Python runs the stdlib-only harness, as nobody."""
+  ours = os.path.realpath(sys.base_prefix)
+  monkeypatch.setattr(kernel, "_world_readable", lambda path: not path.startswith(ours))
+  monkeypatch.setattr(kernel, "_VERSION", (3, 99))
+  system = [p for p in kernel._system_pythons() if not p.startswith(ours)]
+  if not system:  # nothing nobody may run here: the refusal is the outcome
+    with pytest.raises(sandbox.BoundaryUnavailable):
+      list(kernel._candidates("/usr/bin/bwrap", None))
+    return
+  found = list(kernel._candidates("/usr/bin/bwrap", None))
+  assert found and all(b.setpriv for b in found)
+  assert [b.python for b in found] == system
