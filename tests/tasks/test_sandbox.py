@@ -126,6 +126,17 @@ def test_disk_fills_stop_at_the_tmpfs_size():
   assert errno_ == 28 and written <= 32  # ENOSPC
 
 
+def test_sysv_queues_and_semaphores_are_refused(kernel_boundary):
+  """Their memory is outside every rlimit (32,000 queues of 16 KB each per ipc namespace)."""
+  if not kernel_boundary.seccomp:
+    pytest.skip("no seccomp filter here (pyseccomp or libseccomp is missing)")
+  r = run_python("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                 "for name, args in (('msgget', (0, 0o1600)), ('semget', (0, 4, 0o1600)),\n"
+                 "                   ('shmget', (0, 4096, 0o1600))):\n"  # IPC_PRIVATE, IPC_CREAT
+                 "  print(name, getattr(libc, name)(*args), ctypes.get_errno())\n", KERNEL)
+  assert r.stdout.splitlines() == ["msgget -1 1", "semget -1 1", "shmget -1 1"], r  # EPERM
+
+
 def test_no_network():
   server = socket.socket()
   server.bind(("127.0.0.1", 0))

@@ -29,8 +29,9 @@ _VERSION = sys.version_info[:2]
 
 # Syscalls a Python program has no use for that widen what it can reach: other processes'
 # memory and descriptors, namespaces and mounts, kernel surfaces with a history of escapes
-# (bpf, io_uring, userfaultfd, perf, keyrings), and memory outside every file-size limit
-# (SysV shared memory, memfd). They fail with EPERM; sockets other than AF_UNIX fail too.
+# (bpf, io_uring, userfaultfd, perf, keyrings), and kernel memory outside every rlimit (SysV
+# shared memory, message queues and semaphores, the `ipc` multiplexer where an architecture
+# has one, memfd). They fail with EPERM; sockets other than AF_UNIX fail too.
 DENIED_SYSCALLS = (
     "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
     "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree", "move_mount",
@@ -41,7 +42,8 @@ DENIED_SYSCALLS = (
     "swapon", "swapoff", "syslog", "acct", "quotactl", "open_by_handle_at",
     "name_to_handle_at", "lookup_dcookie", "uselib", "vhangup", "iopl", "ioperm",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "fanotify_init",
-    "shmget", "memfd_create")
+    "shmget", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop",
+    "semctl", "ipc", "memfd_create")
 
 
 class BoundaryUnavailable(RuntimeError):
