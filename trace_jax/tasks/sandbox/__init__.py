@@ -65,6 +65,7 @@ class Limits:
   memory_mb: int = 512  # address space of each process
   file_mb: int = 16  # the largest file it may write
   disk_mb: int = 64  # its tmpfs, all files together
+  files: int = 4096  # files, directories and links its tmpfs holds (each costs the kernel ~1 KB)
   processes: int = 2  # processes and threads it may start beyond its own (each gets memory_mb)
   output_bytes: int = 20_000  # how much of stdout and of stderr comes back
   audit_hook: bool = True  # the in-process layer (a convenience: obvious attempts fail early)
@@ -132,7 +133,7 @@ def _spawn(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | 
     harness_fd = _data_fd(_HARNESS_SOURCE)
     seccomp_fd = _data_fd(where.seccomp) if where.seccomp else None
     child_fds += [fd for fd in (harness_fd, seccomp_fd) if fd is not None]
-    argv = where.command(harness_fd, seccomp_fd, limits.disk_mb) + tail
+    argv = where.command(harness_fd, seccomp_fd, limits.disk_mb, limits.files) + tail
     env, cwd = {"PATH": "/usr/bin:/bin"}, "/"
   else:
     workdir = tempfile.mkdtemp(prefix="trace_jax_sandbox_")
