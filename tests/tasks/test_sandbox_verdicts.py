@@ -31,6 +31,15 @@ def test_a_right_solution_passes_and_a_wrong_one_fails():
   assert v.passed  # the solution's exception reaches the tests as the same built-in type
 
 
+def test_a_solutions_stop_iteration_cannot_end_the_tests_early():
+  """Re-raised in the judge as itself, StopIteration ended a `for` over `map` as though every
+  case had passed; it and the other exceptions that steer control flow come back RuntimeError."""
+  tests = "for got, want in zip(map(candidate, [1, 2]), [2, 3]):\n  assert got == want\n"
+  for name in ("StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt"):
+    v = run_tests(job(f"def f(x):\n  raise {name}('no')\n", tests), FAST)
+    assert v.status == f"failed: RuntimeError: {name}: no", v
+
+
 FORGERIES = {
     "exit 0 before the tests": "import os\nos._exit(0)\n",
     "SystemExit(0)": "raise SystemExit(0)\n",

@@ -214,9 +214,15 @@ def _serve(job: dict, channel: Channel) -> None:
     channel.send(reply)
 
 
+# Exceptions that steer the tests' own control flow rather than fail them: a StopIteration from
+# `candidate` would end a `for` over `map(candidate, ...)` as though every case had run.
+_STEERING = (StopIteration, StopAsyncIteration)
+
+
 class _Candidate:
   """The solution's entry point as the tests see it: arguments go over, built-in values or
-  the solution's exception (as a built-in exception type where there is one) come back."""
+  the solution's exception (as the built-in Exception of its name where there is one, but for
+  those that steer control flow) come back."""
 
   def __init__(self, channel: Channel, name: str):
     self.channel, self.__name__ = channel, name
@@ -227,7 +233,8 @@ class _Candidate:
     if reply[0] == "ok":
       return reply[1]
     error = getattr(builtins, str(reply[1]), None)
-    if not (isinstance(error, type) and issubclass(error, Exception)):
+    if not (isinstance(error, type) and issubclass(error, Exception)
+            and not issubclass(error, _STEERING)):
       error = RuntimeError
     raise error(f"{reply[1]}: {reply[2]}")
 
