@@ -46,3 +46,45 @@ def test_a_root_trainer_falls_back_to_a_system_python_of_another_version(as_root
   found = list(kernel._candidates("/usr/bin/bwrap", None))
   assert found and all(b.setpriv for b in found)
   assert [b.python for b in found] == system
+
+
+def failing_first(monkeypatch, stderr: str):
+  """`run_with` whose first call comes back failed with `stderr`, the rest run for real."""
+  calls = []
+  real = sandbox.run_with
+
+  def run_with(where, code, limits=sandbox.Limits()):
+    calls.append(where)
+    if len(calls) == 1:
+      return sandbox.Result(1, "", stderr, False)
+    return real(where, code, limits)
+  monkeypatch.setattr(sandbox, "run_with", run_with)
+  return calls
+
+
+def test_a_transient_probe_failure_does_not_drop_a_layer(kernel_boundary, monkeypatch):
+  failing_first(monkeypatch, "Traceback (most recent call last):\nOSError: busy, try again")
+  where = kernel._probe()
+  assert bool(where.seccomp) == bool(kernel_boundary.seccomp)
+  assert where.unshare == kernel_boundary.unshare
+
+
+def test_a_layer_is_dropped_only_when_the_error_names_it(kernel_boundary, monkeypatch, capsys):
+  if not kernel_boundary.seccomp:
+    pytest.skip("no seccomp filter here to drop")
+  failing_first(monkeypatch, "bwrap: prctl(PR_SET_SECCOMP): Invalid argument")
+  where = kernel._probe()
+  assert where.seccomp is None and where.unshare == kernel_boundary.unshare
+  said = [line for line in capsys.readouterr().err.splitlines() if "seccomp" in line]
+  assert len(said) == 1 and "PR_SET_SECCOMP" in said[0]
+
+
+def test_the_probe_runs_verdicts_too(kernel_boundary, monkeypatch):
+  """Program mode alone said nothing of the judge's fork, prctl and pipes (a system Python
+  without ctypes, say): two verdicts at once, through run_batch's path, must pass as well."""
+  broken = sandbox._HARNESS_SOURCE.replace(b"  import ctypes\n", b"  import no_ctypes_here\n")
+  assert broken != sandbox._HARNESS_SOURCE
+  monkeypatch.setattr(sandbox, "_HARNESS_SOURCE", broken)
+  with pytest.raises(sandbox.BoundaryUnavailable) as refused:
+    kernel._probe()
+  assert "no_ctypes_here" in str(refused.value) and "\n" not in str(refused.value)

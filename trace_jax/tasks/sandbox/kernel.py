@@ -187,13 +187,12 @@ def _interpreters() -> list[tuple[str, tuple[str, ...]]]:
   return found + [(python, ()) for python in _system_pythons() if python != ours]
 
 
-def _candidates(bwrap: str, seccomp: bytes | None):
+def _candidates(bwrap: str, seccomp: bytes | None, unshare: str | None = None):
   """Boundaries to probe, best first. A root trainer's sandbox runs as nobody outside its
   namespaces too (util-linux's setpriv switches before bwrap starts, so the trainer still
   spawns with vfork), with an interpreter nobody can run, or not at all: started by root, the
   sandbox's user would be host root, beyond RLIMIT_NPROC."""
   found = _interpreters()
-  unshare = _tool("unshare") if _tool("mount") else None
   if os.geteuid() != 0:
     for python, binds in found:
       yield Boundary(bwrap, python, binds, None, seccomp, unshare)
@@ -244,30 +243,64 @@ def boundary() -> Boundary:
     return _outcome[0]
 
 
+# What a failed probe's own words blame, line by line: bwrap loading the filter, or the tools
+# of the inode-capped tmpfs. Only these drop a layer; any other failure is retried as it was.
+_LAYERS = {"seccomp": lambda line: line.startswith("bwrap:") and "seccomp" in line.lower(),
+           "unshare": lambda line: line.startswith(("unshare:", "mount:", "mkdir:", "sh:"))}
+_DROPPED = {"seccomp": "bwrap could not load the seccomp filter ({}); namespaces and rlimits "
+                       "without it",
+            "unshare": "no inode-capped tmpfs ({}); the sandbox's /tmp is capped in bytes only"}
+
+
+def _check(where: Boundary) -> str | None:
+  """Runs the probe program, then two verdicts at once through run_batch's path (the judge's
+  fork, prctl and pipes); -> None, or what failed: its output, last line last."""
+  from trace_jax.tasks.sandbox import Limits, Submission, batch_with, run_with
+
+  limits = Limits(timeout_s=20.0, audit_hook=False)
+  result = run_with(where, PROBE, limits)
+  want = [str(NOBODY), "1", "2" if where.seccomp else "0", "0" * 16]
+  if result.returncode != 0 or result.stdout.split() != want:
+    return f"{result.stdout}\n{result.stderr}".strip() or f"exit {result.returncode}"
+  honest = [Submission(f"def f(x):\n  return x + {i}\n", f"assert candidate(1) == {1 + i}\n",
+                       "f") for i in (1, 2)]
+  for verdict in batch_with(where, honest, limits, workers=len(honest)):
+    if not verdict.passed:
+      return f"{verdict.stderr}\n{verdict.status}".strip()
+  return None
+
+
 def _probe() -> Boundary:
   if not sys.platform.startswith("linux"):
     raise BoundaryUnavailable(f"the boundary needs Linux namespaces; this is {sys.platform}")
-  from trace_jax.tasks.sandbox import Limits, run_with
-
   bwrap, seccomp = _install_bwrap(), _seccomp_filter()
+  unshare = _tool("unshare") if _tool("mount") else None
   if seccomp is None:
     print("sandbox: no seccomp filter (pyseccomp or libseccomp is missing); namespaces and "
           "rlimits only", file=sys.stderr)
-  failures = []
-  for candidate in _candidates(bwrap, seccomp):
-    for where in (candidate, dataclasses.replace(candidate, seccomp=None)):
-      result = run_with(where, PROBE, Limits(timeout_s=20.0, audit_hook=False))
-      want = [str(NOBODY), "1", "2" if where.seccomp else "0", "0" * 16]
-      if result.returncode == 0 and result.stdout.split() == want:
-        if where.seccomp != seccomp:
-          print(f"sandbox: the kernel refused the seccomp filter ({failures[-1]}); namespaces "
-                "and rlimits only", file=sys.stderr)
+  if unshare is None:
+    print("sandbox: no unshare or mount (util-linux) in /usr/bin or /bin; the sandbox's /tmp "
+          "is capped in bytes only, not in files", file=sys.stderr)
+  failure = None
+  for where in _candidates(bwrap, seccomp, unshare):
+    dropped, tries = [], 0
+    while tries < 2:  # a failure no layer is named in may be passing: once more, as it was
+      failure = _check(where)
+      if failure is None:
+        for layer, line in dropped:
+          print(f"sandbox: {_DROPPED[layer].format(line)}", file=sys.stderr)
         return where
-      failures.append((result.stderr.strip().splitlines() or [result.stdout.strip()])[-1])
-      if where.seccomp is None:
-        break
-  raise BoundaryUnavailable(f"bwrap cannot set up the sandbox here ({failures[-1]!r}); "
-                            "unprivileged user namespaces may be disabled")
+      lines = failure.splitlines()
+      layer = next((name for name, names in _LAYERS.items()
+                    if getattr(where, name) and any(map(names, lines))), None)
+      if layer:
+        dropped.append((layer, next(filter(_LAYERS[layer], lines))))
+        where = dataclasses.replace(where, **{layer: None})
+      else:
+        tries += 1
+  last = failure.splitlines()[-1] if failure else "no candidate"
+  raise BoundaryUnavailable(f"bwrap cannot set up the sandbox here ({last!r}); unprivileged "
+                            "user namespaces may be disabled")
 
 
 _warned: list = []
