@@ -2,7 +2,9 @@
 installing bubblewrap where it is missing."""
 
 import os
+import secrets
 import sys
+import time
 
 import pytest
 
@@ -88,3 +90,39 @@ def test_the_probe_runs_verdicts_too(kernel_boundary, monkeypatch):
   with pytest.raises(sandbox.BoundaryUnavailable) as refused:
     kernel._probe()
   assert "no_ctypes_here" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def fake_tool(directory, name: str, script: str) -> str:
+  path = directory / name
+  path.write_text("#!/bin/sh\n" + script)
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_bwrap_comes_from_the_system_not_the_trainers_path(tmp_path, monkeypatch):
+  fake_tool(tmp_path, "bwrap", "exit 0\n")
+  monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ.get('PATH', '')}")
+  found = kernel._install_bwrap()
+  assert os.path.dirname(found) in ("/usr/bin", "/bin")
+
+
+def test_a_hanging_apt_get_stops_at_its_deadline(as_root, tmp_path, monkeypatch):
+  """A lock held by another apt, or a mirror that never answers: one line, its processes gone."""
+  token = f"{secrets.randbelow(10**6)}.5"
+  fake_tool(tmp_path, "apt-get", f"sleep 9{token} &\nwait\n")
+  monkeypatch.setattr(kernel, "SYSTEM_PATH", str(tmp_path))
+  monkeypatch.setattr(kernel, "APT_TIMEOUT_S", {"update": 0.5, "install": 0.5}, raising=False)
+  start = time.monotonic()
+  with pytest.raises(sandbox.BoundaryUnavailable) as refused:
+    kernel._install_bwrap()
+  assert time.monotonic() - start < 5
+  assert "apt-get install" in str(refused.value) and "0.5 s" in str(refused.value)
+  assert "\n" not in str(refused.value)
+  left = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        left += [pid] if token.encode() in fh.read() else []
+    except OSError:
+      pass
+  assert left == []

@@ -14,6 +14,7 @@ import errno
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
 HARNESS_INSIDE = "/sandbox/harness.py"  # where the sandbox sees it (a read-only copy)
 OPT_IN = "task.coding.allow_unsandboxed=true (evaluate_humaneval: --allow_unsandboxed)"
 SYSTEM_PATH = "/usr/bin:/bin"  # where the tools come from: never the trainer's PATH
+APT_TIMEOUT_S = {"update": 120, "install": 300}  # installing bubblewrap, where it is missing
 _VERSION = sys.version_info[:2]
 
 # Syscalls a Python program has no use for that widen what it can reach: other processes'
@@ -108,29 +110,52 @@ def _tool(name: str) -> str | None:
 UNSANDBOXED = Boundary(bwrap=None, python=sys.executable, binds=(), setpriv=None, seccomp=None)
 
 
+def _apt_get(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+  """apt-get with a deadline: past it, its process group (dpkg included) is stopped."""
+  env = dict(os.environ, DEBIAN_FRONTEND="noninteractive", PATH="/usr/sbin:/usr/bin:/sbin:/bin")
+  with subprocess.Popen([_tool("apt-get"), *args], stdin=subprocess.DEVNULL, env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        start_new_session=True) as proc:
+    try:
+      out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):  # dpkg may tidy up
+        os.killpg(proc.pid, sig)
+        try:
+          proc.communicate(timeout=wait_s)
+          break
+        except subprocess.TimeoutExpired:
+          continue
+      raise BoundaryUnavailable(f"apt-get {args[0]} did not finish in {timeout_s:g} s (another "
+                                "apt holding its lock, or no mirror?); install bubblewrap "
+                                "yourself") from None
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _install_bwrap() -> str:
-  """bwrap's path, installing Debian's bubblewrap first where we are root and have apt-get."""
-  found = shutil.which("bwrap") or shutil.which("bwrap", path="/usr/bin:/bin")
+  """bwrap's path, installing Debian's bubblewrap first where we are root and have apt-get;
+  only /usr/bin or /bin's, never one earlier on the trainer's PATH."""
+  found = _tool("bwrap")
   if found:
     return found
-  if os.geteuid() != 0 or not shutil.which("apt-get"):
-    raise BoundaryUnavailable("bubblewrap (bwrap) is not installed, and installing it needs "
-                              "root and apt-get")
+  if os.geteuid() != 0 or not _tool("apt-get"):
+    raise BoundaryUnavailable("bubblewrap (bwrap) is not in /usr/bin or /bin, and installing it "
+                              "needs root and apt-get")
   print("sandbox: installing bubblewrap (apt-get install bubblewrap) for the boundary around "
         "untrusted programs", file=sys.stderr)
-  env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-  install = ["apt-get", "install", "-y", "-q", "--no-install-recommends",
-             "-o", "DPkg::Lock::Timeout=120", "bubblewrap"]
-  if subprocess.run(install, env=env, capture_output=True).returncode:
-    subprocess.run(["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=120"], env=env,
-                   capture_output=True)  # a fresh machine's package lists may be stale
-    done = subprocess.run(install, env=env, capture_output=True, text=True)
+  install = ["install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=120",
+             "bubblewrap"]
+  if _apt_get(install, APT_TIMEOUT_S["install"]).returncode:
+    # a fresh machine's package lists may be stale
+    _apt_get(["update", "-q"], APT_TIMEOUT_S["update"])
+    done = _apt_get(install, APT_TIMEOUT_S["install"])
     if done.returncode:
       last = (done.stderr.strip().splitlines() or ["no output"])[-1]
       raise BoundaryUnavailable(f"apt-get install bubblewrap failed: {last}")
-  found = shutil.which("bwrap", path="/usr/bin:/bin")
+  found = _tool("bwrap")
   if not found:
-    raise BoundaryUnavailable("apt-get installed bubblewrap but no bwrap is on /usr/bin")
+    raise BoundaryUnavailable("apt-get installed bubblewrap but there is no bwrap in /usr/bin "
+                              "or /bin")
   return found
 
 
