@@ -1,6 +1,7 @@
 """Verdicts a program cannot fake: the judge's marker line, not an exit status or the program's
 output; one sandbox per program, so a hostile program in a batch costs only its own result."""
 
+import os
 import secrets
 
 import pytest
@@ -134,3 +135,28 @@ def test_without_a_boundary_programs_are_refused_unless_the_user_opts_in(monkeyp
   assert [v.passed for v in forged] == [False, False]
   r = sandbox.run_python("print('hi')", FAST, allow_unsandboxed=True)
   assert r.returncode == 0 and r.stdout == "hi\n"
+
+
+def test_a_solutions_words_in_its_verdict_are_capped():
+  """The solution may speak to the judge directly (its end of the pipe is in its own memory)."""
+  direct = ("import gc, os\nfor o in gc.get_objects():\n  if type(o).__name__ == 'Channel':\n"
+            "    o.send(('error', 'E' * 5000, 'x' * 5000))\n    os._exit(0)\n")
+  v = run_tests(job(direct), FAST)
+  assert v.status.startswith("failed: the solution did not load: EEE")
+  assert len(v.status) < 700, len(v.status)
+
+
+@pytest.mark.parametrize("failing_call", [2, 3])
+def test_no_descriptor_leaks_when_a_sandbox_cannot_start(failing_call, monkeypatch):
+  real, calls = sandbox._data_fd, []
+
+  def data_fd(data):
+    calls.append(data)
+    if len(calls) == failing_call:
+      raise OSError(24, "simulated: too many open files")
+    return real(data)
+  monkeypatch.setattr(sandbox, "_data_fd", data_fd)
+  before = sorted(os.listdir("/proc/self/fd"))
+  with pytest.raises(OSError, match="simulated"):
+    run_tests(job(HONEST), FAST)
+  assert sorted(os.listdir("/proc/self/fd")) == before

@@ -49,8 +49,8 @@ import tempfile
 import time
 
 from trace_jax.tasks.sandbox.harness import encode
-from trace_jax.tasks.sandbox.kernel import (HARNESS, UNSANDBOXED, Boundary, BoundaryUnavailable,
-                                              boundary, require)
+from trace_jax.tasks.sandbox.kernel import (HARNESS, SYSTEM_PATH, UNSANDBOXED, Boundary,
+                                              BoundaryUnavailable, boundary, require)
 
 __all__ = ["Boundary", "BoundaryUnavailable", "Limits", "Result", "Submission", "UNSANDBOXED",
            "Verdict", "boundary", "require", "run_batch", "run_python", "run_tests"]
@@ -107,10 +107,54 @@ def _data_fd(data: bytes) -> int:
   else:
     fd, path = tempfile.mkstemp(prefix="trace_jax_sandbox_")
     os.unlink(path)
-  while data:
-    data = data[os.write(fd, data):]
-  os.lseek(fd, 0, os.SEEK_SET)
+  try:
+    while data:
+      data = data[os.write(fd, data):]
+    os.lseek(fd, 0, os.SEEK_SET)
+  except BaseException:
+    os.close(fd)
+    raise
   return fd
+
+
+def _start(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | None
+           ) -> tuple[subprocess.Popen, int | None, str | None]:
+  """Starts the harness; -> (its process, the verdict pipe's read end, its directory where
+  there is no boundary). What fails on the way leaves no descriptor or directory behind."""
+  child_fds, verdict_r, workdir = [], None, None
+  try:
+    child_fds.append(_data_fd(encode(job)))
+    tail = [mode, str(child_fds[0])]
+    if judge is not None:
+      verdict_r, verdict_w = os.pipe()
+      child_fds.append(verdict_w)
+      child_fds.append(_data_fd(encode(judge)))
+      tail += [str(verdict_w), str(child_fds[-1])]
+    if where.bwrap:
+      child_fds.append(_data_fd(_HARNESS_SOURCE))
+      harness_fd, seccomp_fd = child_fds[-1], None
+      if where.seccomp:
+        child_fds.append(_data_fd(where.seccomp))
+        seccomp_fd = child_fds[-1]
+      argv = where.command(harness_fd, seccomp_fd, limits.disk_mb, limits.files) + tail
+      env, cwd = {"PATH": SYSTEM_PATH}, "/"
+    else:
+      workdir = tempfile.mkdtemp(prefix="trace_jax_sandbox_")
+      argv = [where.python, "-I", "-S", HARNESS] + tail
+      env, cwd = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": workdir}, workdir
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, pass_fds=child_fds, cwd=cwd, env=env,
+                            start_new_session=True)
+  except BaseException:
+    if verdict_r is not None:
+      os.close(verdict_r)
+    if workdir:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+  finally:
+    for fd in child_fds:
+      os.close(fd)
+  return proc, verdict_r, workdir
 
 
 def _spawn(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | None = None
@@ -121,35 +165,7 @@ def _spawn(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | 
   if where.bwrap:  # RLIMIT_NPROC counts per user, and only the sandbox's user is its own
     lim["processes"] = limits.processes + (3 if mode == "tests" else 2)  # bwrap's init, ours
   job = dict(job, limits=lim, audit_hook=limits.audit_hook, message_bytes=64 << 20)
-  child_fds = [_data_fd(encode(job))]
-  tail = [mode, str(child_fds[0])]
-  verdict_r = None
-  if judge is not None:
-    verdict_r, verdict_w = os.pipe()
-    child_fds += [verdict_w, _data_fd(encode(judge))]
-    tail += [str(verdict_w), str(child_fds[-1])]
-  workdir = None
-  if where.bwrap:
-    harness_fd = _data_fd(_HARNESS_SOURCE)
-    seccomp_fd = _data_fd(where.seccomp) if where.seccomp else None
-    child_fds += [fd for fd in (harness_fd, seccomp_fd) if fd is not None]
-    argv = where.command(harness_fd, seccomp_fd, limits.disk_mb, limits.files) + tail
-    env, cwd = {"PATH": "/usr/bin:/bin"}, "/"
-  else:
-    workdir = tempfile.mkdtemp(prefix="trace_jax_sandbox_")
-    argv = [where.python, "-I", "-S", HARNESS] + tail
-    env, cwd = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}, workdir
-  try:
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, pass_fds=child_fds, cwd=cwd, env=env,
-                            start_new_session=True)
-  except BaseException:
-    if verdict_r is not None:
-      os.close(verdict_r)
-    raise
-  finally:
-    for fd in child_fds:
-      os.close(fd)
+  proc, verdict_r, workdir = _start(where, mode, job, limits, judge)
   out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
   streams = {out_fd: bytearray(), err_fd: bytearray()}
   caps = dict.fromkeys(streams, limits.output_bytes)

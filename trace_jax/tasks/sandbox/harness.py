@@ -243,7 +243,7 @@ def _judge(job: dict, judge: dict, channel: Channel) -> str:
   try:
     first = channel.recv()
     if first[0] != "ready":
-      return f"failed: the solution did not load: {first[1]}: {first[2]}"
+      return f"failed: the solution did not load: {str(first[1])[:100]}: {str(first[2])[:300]}"
     candidate = _Candidate(channel, job["entry_point"])
     namespace = {"__name__": "__tests__"}
     exec(compile(judge["prelude"], "prelude.py", "exec"), namespace)
