@@ -1,37 +1,50 @@
 """Running untrusted programs: one fresh kernel sandbox per program, and verdicts the parent owns.
 
 What holds a hostile program is the kernel, set up by bubblewrap (`kernel.py`): new user, pid,
-mount, network, ipc and uts namespaces; a root of its own that is read-only but for a private
-size-capped tmpfs at /tmp (its working directory) and a small one at /dev/shm; /usr and the
-interpreter bound read-only, nothing else of the host's files; a /proc of its own pid namespace
-(the trainer's processes are not there to read or to signal); no capabilities, no new
-privileges, no nested user namespaces; a seccomp filter (where libseccomp is present) refusing
-ptrace and other processes' memory, mounts, keyrings, bpf, io_uring, SysV shared memory, memfd
-and non-Unix sockets; rlimits on each process's address space, CPU time, file size, open files
-and on the number of processes and threads; an environment of PATH, LANG, HOME and PWD only.
-Each program gets its own sandbox, gone when its first process exits; at the deadline the
-parent kills bwrap, whose pid namespace dies with it, setsid'd grandchildren included. A root
-trainer's sandbox runs as `nobody` outside its namespaces too. Not bounded: memory across a
-sandbox's processes (each has its own limit; there is no cgroup), and what the kernel itself
-lets through (an exploit escapes any namespace).
+mount, network, ipc and uts namespaces; a root of its own, read-only but for one private tmpfs
+at /tmp (its working directory) and /dev/shm; /usr and the interpreter bound read-only, nothing
+else of the host's files; a /proc of its own pid namespace (the trainer's processes are not
+there to read or to signal); no capabilities, no new privileges, no nested user namespaces; a
+seccomp filter (where libseccomp is present) refusing ptrace and other processes' memory,
+mounts, keyrings, bpf, io_uring, SysV IPC (shared memory, message queues, semaphores), memfd
+and non-Unix sockets; an environment of PATH, LANG, HOME and PWD only. A root trainer's sandbox
+runs as `nobody` outside its namespaces too, or not at all: never as host root.
+
+Bounded, per sandbox: the wall clock (`timeout_s`: bwrap is killed, and its pid namespace,
+setsid'd grandchildren included, with it); each process's address space (`memory_mb`), CPU
+time, largest file (`file_mb`), open files (64); processes and threads together (`processes`,
+counted for the sandbox's own user); the tmpfs in bytes (`disk_mb`) and, where util-linux's
+`unshare` mounts it, in files (`files`; else bwrap's tmpfs, in bytes only, said at start-up);
+what comes back (`output_bytes` of stdout and of stderr). So one sandbox holds at most
+(processes + 2) x memory_mb of process memory, disk_mb of files and ~1 KB of kernel memory per
+file (defaults: about 2.1 GB), and at most `run_batch`'s workers (twice the cores) run at once;
+there is no cgroup to cap a sandbox tighter than that. Not bounded: kernel memory in caches the
+kernel reclaims itself, what the kernel lets through (an exploit escapes any namespace), and
+where a layer is missing, what it held (without seccomp, SysV IPC's kernel memory; without
+`unshare`, the number of files).
 
 Verdicts (`run_tests`): a solution and its tests never share a process (a harness in the
 program's interpreter can always be read or hijacked by it: frames, gc, trace functions, threads
 that outlive it). Inside the sandbox the harness forks before any untrusted code runs; the
 solution's process runs the program and answers calls to its entry point over a pipe; the
 judge's process, which no untrusted code runs in and which the solution cannot read
-(non-dumpable, ptrace refused), runs the trusted tests with `candidate` calling across that pipe (built-in values only come back: an object
-whose `__eq__` always says yes cannot cross). Only the judge holds the verdict pipe, and only
-after the fork does it read the tests and a random per-run marker; it writes `<marker> passed`
-when the tests ran to completion. The parent reads the verdict, stdout and stderr through the
-pipes it holds, each with a size cap, and calls a program passed only on that marker line: not
-on an exit status, not on anything the program prints, so `os._exit(0)`, `SystemExit(0)`, a
-forged result line, output floods and catching every exception all come out failed.
+(non-dumpable, ptrace refused), runs the trusted tests with `candidate` calling across that
+pipe (built-in values only come back, so an object whose `__eq__` always says yes cannot cross;
+exceptions that steer control flow, such as StopIteration, come back as RuntimeError). Only
+the judge holds the verdict pipe, and only after the fork does it read the tests and a random
+per-run marker; it writes `<marker> passed` when the tests ran to completion. The parent reads
+the verdict, stdout and stderr through the pipes it holds, each with a size cap, and calls a
+program passed only on that marker line: not on an exit status, not on anything the program
+prints, so `os._exit(0)`, `SystemExit(0)`, a forged result line, output floods and catching
+every exception all come out failed.
 
 Where no boundary can be had (not Linux, no user namespaces, no bwrap and no way to install
-it), the coding tasks refuse to run programs unless the user opts in (`require`); they then run
-with the same harness, rlimits and verdicts, in a fresh directory and session, without the
-kernel boundary (nothing stops a hostile program from reaching the user's files there).
+it), the coding tasks refuse to run programs unless the user opts in (`require`). Opted in,
+they run with the same harness and the per-process rlimits, in a fresh directory and session,
+as the trainer's user, and nothing else holds: no process cap, no disk cap, the user's files,
+network and processes (the trainer's included) in reach, and verdicts can be forged (a
+program running as root, or reaching the trainer, writes the marker itself). Only for
+programs one trusts.
 """
 
 from __future__ import annotations

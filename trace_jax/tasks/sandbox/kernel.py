@@ -1,10 +1,12 @@
 """The kernel boundary around untrusted programs: bubblewrap, seccomp, and a check that it holds.
 
-`boundary()` finds `bwrap` (installing Debian's `bubblewrap` with apt-get when the trainer runs
-as root and it is missing), compiles the seccomp filter, picks the interpreter and the user the
-sandbox runs as, and runs one probe program through all of it; the outcome is kept for the
-process. `require()` is what the coding tasks call at start-up: the boundary, or one line saying
-why there is none and how to run without one on purpose.
+`boundary()` finds `bwrap` in /usr/bin or /bin (installing Debian's `bubblewrap` with apt-get,
+under a deadline, when the trainer runs as root and it is missing), compiles the seccomp filter,
+picks the interpreter and the user the sandbox runs as (never host root), and runs a probe
+program and two verdicts at once through all of it, dropping a layer (seccomp, the inode cap)
+only when the failure names it; the outcome is kept for the process. `require()` is what the
+coding tasks call at start-up: the boundary, or one line saying why there is none and how to
+run without one on purpose.
 """
 
 from __future__ import annotations
