@@ -126,6 +126,30 @@ def test_disk_fills_stop_at_the_tmpfs_size():
   assert errno_ == 28 and written <= 32  # ENOSPC
 
 
+def test_sysv_queues_and_semaphores_are_refused(kernel_boundary):
+  """Their memory is outside every rlimit (32,000 queues of 16 KB each per ipc namespace)."""
+  if not kernel_boundary.seccomp:
+    pytest.skip("no seccomp filter here (pyseccomp or libseccomp is missing)")
+  r = run_python("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                 "for name, args in (('msgget', (0, 0o1600)), ('semget', (0, 4, 0o1600)),\n"
+                 "                   ('shmget', (0, 4096, 0o1600))):\n"  # IPC_PRIVATE, IPC_CREAT
+                 "  print(name, getattr(libc, name)(*args), ctypes.get_errno())\n", KERNEL)
+  assert r.stdout.splitlines() == ["msgget -1 1", "semget -1 1", "shmget -1 1"], r  # EPERM
+
+
+def test_file_counts_stop_at_the_tmpfs_inode_cap(kernel_boundary):
+  """Empty files fill no blocks, only the kernel's memory (about 1 KB each): 265,000 in 3 s got
+  through a size-capped tmpfs. /tmp and /dev/shm share `files`."""
+  if not kernel_boundary.unshare:
+    pytest.skip("no inode-capped tmpfs here (util-linux's unshare is missing or refused)")
+  r = run_python("import os\nn = 0\ntry:\n  while n < 20_000:\n    open(f'f{n}', 'w').close()\n"
+                 "    n += 1\nexcept OSError as e:\n  print(n, e.errno)\n"
+                 "try:\n  open('/dev/shm/one_more', 'w')\nexcept OSError as e:\n  print(e.errno)\n",
+                 KERNEL)
+  assert r.stdout.split()[1:] == ["28", "28"], r  # ENOSPC
+  assert int(r.stdout.split()[0]) < Limits().files
+
+
 def test_no_network():
   server = socket.socket()
   server.bind(("127.0.0.1", 0))

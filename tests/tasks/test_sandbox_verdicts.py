@@ -1,6 +1,7 @@
 """Verdicts a program cannot fake: the judge's marker line, not an exit status or the program's
 output; one sandbox per program, so a hostile program in a batch costs only its own result."""
 
+import os
 import secrets
 
 import pytest
@@ -29,6 +30,15 @@ def test_a_right_solution_passes_and_a_wrong_one_fails():
   v = run_tests(job("def f(x):\n  raise ValueError('no')\n", "try:\n  candidate(1)\n"
                     "except ValueError:\n  pass\nelse:\n  raise AssertionError\n"), FAST)
   assert v.passed  # the solution's exception reaches the tests as the same built-in type
+
+
+def test_a_solutions_stop_iteration_cannot_end_the_tests_early():
+  """Re-raised in the judge as itself, StopIteration ended a `for` over `map` as though every
+  case had passed; it and the other exceptions that steer control flow come back RuntimeError."""
+  tests = "for got, want in zip(map(candidate, [1, 2]), [2, 3]):\n  assert got == want\n"
+  for name in ("StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt"):
+    v = run_tests(job(f"def f(x):\n  raise {name}('no')\n", tests), FAST)
+    assert v.status == f"failed: RuntimeError: {name}: no", v
 
 
 FORGERIES = {
@@ -125,3 +135,28 @@ def test_without_a_boundary_programs_are_refused_unless_the_user_opts_in(monkeyp
   assert [v.passed for v in forged] == [False, False]
   r = sandbox.run_python("print('hi')", FAST, allow_unsandboxed=True)
   assert r.returncode == 0 and r.stdout == "hi\n"
+
+
+def test_a_solutions_words_in_its_verdict_are_capped():
+  """The solution may speak to the judge directly (its end of the pipe is in its own memory)."""
+  direct = ("import gc, os\nfor o in gc.get_objects():\n  if type(o).__name__ == 'Channel':\n"
+            "    o.send(('error', 'E' * 5000, 'x' * 5000))\n    os._exit(0)\n")
+  v = run_tests(job(direct), FAST)
+  assert v.status.startswith("failed: the solution did not load: EEE")
+  assert len(v.status) < 700, len(v.status)
+
+
+@pytest.mark.parametrize("failing_call", [2, 3])
+def test_no_descriptor_leaks_when_a_sandbox_cannot_start(failing_call, monkeypatch):
+  real, calls = sandbox._data_fd, []
+
+  def data_fd(data):
+    calls.append(data)
+    if len(calls) == failing_call:
+      raise OSError(24, "simulated: too many open files")
+    return real(data)
+  monkeypatch.setattr(sandbox, "_data_fd", data_fd)
+  before = sorted(os.listdir("/proc/self/fd"))
+  with pytest.raises(OSError, match="simulated"):
+    run_tests(job(HONEST), FAST)
+  assert sorted(os.listdir("/proc/self/fd")) == before

@@ -1,44 +1,56 @@
 """Running untrusted programs: one fresh kernel sandbox per program, and verdicts the parent owns.
 
 What holds a hostile program is the kernel, set up by bubblewrap (`kernel.py`): new user, pid,
-mount, network, ipc and uts namespaces; a root of its own that is read-only but for a private
-size-capped tmpfs at /tmp (its working directory) and a small one at /dev/shm; /usr and the
-interpreter bound read-only, nothing else of the host's files; a /proc of its own pid namespace
-(the trainer's processes are not there to read or to signal); no capabilities, no new
-privileges, no nested user namespaces; a seccomp filter (where libseccomp is present) refusing
-ptrace and other processes' memory, mounts, keyrings, bpf, io_uring, SysV shared memory, memfd
-and non-Unix sockets; rlimits on each process's address space, CPU time, file size, open files
-and on the number of processes and threads; an environment of PATH, LANG, HOME and PWD only.
-Each program gets its own sandbox, gone when its first process exits; at the deadline the
-parent kills bwrap, whose pid namespace dies with it, setsid'd grandchildren included. A root
-trainer's sandbox runs as `nobody` outside its namespaces too. Not bounded: memory across a
-sandbox's processes (each has its own limit; there is no cgroup), and what the kernel itself
-lets through (an exploit escapes any namespace).
+mount, network, ipc and uts namespaces; a root of its own, read-only but for one private tmpfs
+at /tmp (its working directory) and /dev/shm; /usr and the interpreter bound read-only, nothing
+else of the host's files; a /proc of its own pid namespace (the trainer's processes are not
+there to read or to signal); no capabilities, no new privileges, no nested user namespaces; a
+seccomp filter (where libseccomp is present) refusing ptrace and other processes' memory,
+mounts, keyrings, bpf, io_uring, SysV IPC (shared memory, message queues, semaphores), memfd
+and non-Unix sockets; an environment of PATH, LANG, HOME and PWD only. A root trainer's sandbox
+runs as `nobody` outside its namespaces too, or not at all: never as host root.
+
+Bounded, per sandbox: the wall clock (`timeout_s`: bwrap is killed, and its pid namespace,
+setsid'd grandchildren included, with it); each process's address space (`memory_mb`), CPU
+time, largest file (`file_mb`), open files (64); processes and threads together (`processes`,
+counted for the sandbox's own user); the tmpfs in bytes (`disk_mb`) and, where util-linux's
+`unshare` mounts it, in files (`files`; else bwrap's tmpfs, in bytes only, said at start-up);
+what comes back (`output_bytes` of stdout and of stderr). So one sandbox holds at most
+(processes + 2) x memory_mb of process memory, disk_mb of files and ~1 KB of kernel memory per
+file (defaults: about 2.1 GB), and at most `run_batch`'s workers (twice the cores) run at once;
+there is no cgroup to cap a sandbox tighter than that. Not bounded: kernel memory in caches the
+kernel reclaims itself, what the kernel lets through (an exploit escapes any namespace), and
+where a layer is missing, what it held (without seccomp, SysV IPC's kernel memory; without
+`unshare`, the number of files).
 
 Verdicts (`run_tests`): a solution and its tests never share a process (a harness in the
 program's interpreter can always be read or hijacked by it: frames, gc, trace functions, threads
 that outlive it). Inside the sandbox the harness forks before any untrusted code runs; the
 solution's process runs the program and answers calls to its entry point over a pipe; the
 judge's process, which no untrusted code runs in and which the solution cannot read
-(non-dumpable, ptrace refused), runs the trusted tests with `candidate` calling across that pipe (built-in values only come back: an object
-whose `__eq__` always says yes cannot cross). Only the judge holds the verdict pipe, and only
-after the fork does it read the tests and a random per-run marker; it writes `<marker> passed`
-when the tests ran to completion. The parent reads the verdict, stdout and stderr through the
-pipes it holds, each with a size cap, and calls a program passed only on that marker line: not
-on an exit status, not on anything the program prints, so `os._exit(0)`, `SystemExit(0)`, a
-forged result line, output floods and catching every exception all come out failed.
+(non-dumpable, ptrace refused), runs the trusted tests with `candidate` calling across that
+pipe (built-in values only come back, so an object whose `__eq__` always says yes cannot cross;
+exceptions that steer control flow, such as StopIteration, come back as RuntimeError). Only
+the judge holds the verdict pipe, and only after the fork does it read the tests and a random
+per-run marker; it writes `<marker> passed` when the tests ran to completion. The parent reads
+the verdict, stdout and stderr through the pipes it holds, each with a size cap, and calls a
+program passed only on that marker line: not on an exit status, not on anything the program
+prints, so `os._exit(0)`, `SystemExit(0)`, a forged result line, output floods and catching
+every exception all come out failed.
 
 Where no boundary can be had (not Linux, no user namespaces, no bwrap and no way to install
-it), the coding tasks refuse to run programs unless the user opts in (`require`); they then run
-with the same harness, rlimits and verdicts, in a fresh directory and session, without the
-kernel boundary (nothing stops a hostile program from reaching the user's files there).
+it), the coding tasks refuse to run programs unless the user opts in (`require`). Opted in,
+they run with the same harness and the per-process rlimits, in a fresh directory and session,
+as the trainer's user, and nothing else holds: no process cap, no disk cap, the user's files,
+network and processes (the trainer's included) in reach, and verdicts can be forged (a
+program running as root, or reaching the trainer, writes the marker itself). Only for
+programs one trusts.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import marshal
 import math
 import os
 import secrets
@@ -49,8 +61,9 @@ import subprocess
 import tempfile
 import time
 
-from trace_jax.tasks.sandbox.kernel import (HARNESS, UNSANDBOXED, Boundary, BoundaryUnavailable,
-                                              boundary, require)
+from trace_jax.tasks.sandbox.harness import encode
+from trace_jax.tasks.sandbox.kernel import (HARNESS, SYSTEM_PATH, UNSANDBOXED, Boundary,
+                                              BoundaryUnavailable, boundary, require)
 
 __all__ = ["Boundary", "BoundaryUnavailable", "Limits", "Result", "Submission", "UNSANDBOXED",
            "Verdict", "boundary", "require", "run_batch", "run_python", "run_tests"]
@@ -65,6 +78,7 @@ class Limits:
   memory_mb: int = 512  # address space of each process
   file_mb: int = 16  # the largest file it may write
   disk_mb: int = 64  # its tmpfs, all files together
+  files: int = 4096  # files, directories and links its tmpfs holds (each costs the kernel ~1 KB)
   processes: int = 2  # processes and threads it may start beyond its own (each gets memory_mb)
   output_bytes: int = 20_000  # how much of stdout and of stderr comes back
   audit_hook: bool = True  # the in-process layer (a convenience: obvious attempts fail early)
@@ -106,10 +120,54 @@ def _data_fd(data: bytes) -> int:
   else:
     fd, path = tempfile.mkstemp(prefix="trace_jax_sandbox_")
     os.unlink(path)
-  while data:
-    data = data[os.write(fd, data):]
-  os.lseek(fd, 0, os.SEEK_SET)
+  try:
+    while data:
+      data = data[os.write(fd, data):]
+    os.lseek(fd, 0, os.SEEK_SET)
+  except BaseException:
+    os.close(fd)
+    raise
   return fd
+
+
+def _start(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | None
+           ) -> tuple[subprocess.Popen, int | None, str | None]:
+  """Starts the harness; -> (its process, the verdict pipe's read end, its directory where
+  there is no boundary). What fails on the way leaves no descriptor or directory behind."""
+  child_fds, verdict_r, workdir = [], None, None
+  try:
+    child_fds.append(_data_fd(encode(job)))
+    tail = [mode, str(child_fds[0])]
+    if judge is not None:
+      verdict_r, verdict_w = os.pipe()
+      child_fds.append(verdict_w)
+      child_fds.append(_data_fd(encode(judge)))
+      tail += [str(verdict_w), str(child_fds[-1])]
+    if where.bwrap:
+      child_fds.append(_data_fd(_HARNESS_SOURCE))
+      harness_fd, seccomp_fd = child_fds[-1], None
+      if where.seccomp:
+        child_fds.append(_data_fd(where.seccomp))
+        seccomp_fd = child_fds[-1]
+      argv = where.command(harness_fd, seccomp_fd, limits.disk_mb, limits.files) + tail
+      env, cwd = {"PATH": SYSTEM_PATH}, "/"
+    else:
+      workdir = tempfile.mkdtemp(prefix="trace_jax_sandbox_")
+      argv = [where.python, "-I", "-S", HARNESS] + tail
+      env, cwd = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": workdir}, workdir
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, pass_fds=child_fds, cwd=cwd, env=env,
+                            start_new_session=True)
+  except BaseException:
+    if verdict_r is not None:
+      os.close(verdict_r)
+    if workdir:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+  finally:
+    for fd in child_fds:
+      os.close(fd)
+  return proc, verdict_r, workdir
 
 
 def _spawn(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | None = None
@@ -120,35 +178,7 @@ def _spawn(where: Boundary, mode: str, job: dict, limits: Limits, judge: dict | 
   if where.bwrap:  # RLIMIT_NPROC counts per user, and only the sandbox's user is its own
     lim["processes"] = limits.processes + (3 if mode == "tests" else 2)  # bwrap's init, ours
   job = dict(job, limits=lim, audit_hook=limits.audit_hook, message_bytes=64 << 20)
-  child_fds = [_data_fd(marshal.dumps(job))]
-  tail = [mode, str(child_fds[0])]
-  verdict_r = None
-  if judge is not None:
-    verdict_r, verdict_w = os.pipe()
-    child_fds += [verdict_w, _data_fd(marshal.dumps(judge))]
-    tail += [str(verdict_w), str(child_fds[-1])]
-  workdir = None
-  if where.bwrap:
-    harness_fd = _data_fd(_HARNESS_SOURCE)
-    seccomp_fd = _data_fd(where.seccomp) if where.seccomp else None
-    child_fds += [fd for fd in (harness_fd, seccomp_fd) if fd is not None]
-    argv = where.command(harness_fd, seccomp_fd, limits.disk_mb) + tail
-    env, cwd = {"PATH": "/usr/bin:/bin"}, "/"
-  else:
-    workdir = tempfile.mkdtemp(prefix="trace_jax_sandbox_")
-    argv = [where.python, "-I", "-S", HARNESS] + tail
-    env, cwd = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}, workdir
-  try:
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, pass_fds=child_fds, cwd=cwd, env=env,
-                            start_new_session=True)
-  except BaseException:
-    if verdict_r is not None:
-      os.close(verdict_r)
-    raise
-  finally:
-    for fd in child_fds:
-      os.close(fd)
+  proc, verdict_r, workdir = _start(where, mode, job, limits, judge)
   out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
   streams = {out_fd: bytearray(), err_fd: bytearray()}
   caps = dict.fromkeys(streams, limits.output_bytes)
@@ -230,7 +260,12 @@ def run_batch(jobs: list[Submission], limits: Limits = Limits(), allow_unsandbox
               workers: int | None = None) -> list[Verdict]:
   """`run_tests` for each job, each in its own sandbox, `workers` at a time (default: twice the
   cores, as a sandbox spends part of its start waiting on the kernel). Identical jobs run once."""
-  where = require(allow_unsandboxed)
+  return batch_with(require(allow_unsandboxed), jobs, limits, workers)
+
+
+def batch_with(where: Boundary, jobs: list[Submission], limits: Limits = Limits(),
+               workers: int | None = None) -> list[Verdict]:
+  """`run_batch` under a given boundary (the probe's way in)."""
   unique = list(dict.fromkeys(jobs))
   workers = workers or 2 * (os.cpu_count() or 1)
   with concurrent.futures.ThreadPoolExecutor(min(workers, max(len(unique), 1))) as pool:

@@ -1,9 +1,9 @@
 """The sandbox's first code: limits itself, then runs a program, or a solution and its tests.
 
-Run as a script inside the sandbox (`python -I -S harness.py MODE JOB_FD [VERDICT_FD]`) and never
-imported by the trainer; standard library only, and only modules that load fast (no json, re
-or ast), since one interpreter starts per program. The parent passes the job on JOB_FD (a marshal
-of its own making). Modes:
+Run as a script inside the sandbox (`python -I -S harness.py MODE JOB_FD [VERDICT_FD JUDGE_FD]`);
+the trainer imports only its codec. Standard library only, and only modules that load fast (no
+json, re or ast), since one interpreter starts per program; any Python from 3.8 runs it, so
+the parent passes the job on JOB_FD in the codec below, not in a version's marshal. Modes:
 
 - `program`: runs the job's code as `__main__`; its exit status and output are the result.
 - `tests`: forks before any untrusted code runs. The child ("solution") runs the solution and
@@ -16,8 +16,9 @@ of its own making). Modes:
   the tests compare real numbers, strings and containers, never an object of the solution's.
 """
 
+from __future__ import annotations
+
 import builtins
-import marshal
 import os
 import struct
 import sys
@@ -181,7 +182,7 @@ def _tests(job: dict, verdict_fd: int, judge_fd: int) -> None:
   os.close(to_solution_r)
   os.close(to_judge_w)
   with os.fdopen(judge_fd, "rb") as fh:
-    judge = marshal.loads(fh.read())
+    judge = decode(fh.read())
   status = _judge(job, judge, Channel(to_judge_r, to_solution_w, job["message_bytes"]))
   os.write(verdict_fd, f"{judge['marker']} {status}".encode())
   os.close(verdict_fd)
@@ -213,9 +214,15 @@ def _serve(job: dict, channel: Channel) -> None:
     channel.send(reply)
 
 
+# Exceptions that steer the tests' own control flow rather than fail them: a StopIteration from
+# `candidate` would end a `for` over `map(candidate, ...)` as though every case had run.
+_STEERING = (StopIteration, StopAsyncIteration)
+
+
 class _Candidate:
   """The solution's entry point as the tests see it: arguments go over, built-in values or
-  the solution's exception (as a built-in exception type where there is one) come back."""
+  the solution's exception (as the built-in Exception of its name where there is one, but for
+  those that steer control flow) come back."""
 
   def __init__(self, channel: Channel, name: str):
     self.channel, self.__name__ = channel, name
@@ -226,7 +233,8 @@ class _Candidate:
     if reply[0] == "ok":
       return reply[1]
     error = getattr(builtins, str(reply[1]), None)
-    if not (isinstance(error, type) and issubclass(error, Exception)):
+    if not (isinstance(error, type) and issubclass(error, Exception)
+            and not issubclass(error, _STEERING)):
       error = RuntimeError
     raise error(f"{reply[1]}: {reply[2]}")
 
@@ -235,7 +243,7 @@ def _judge(job: dict, judge: dict, channel: Channel) -> str:
   try:
     first = channel.recv()
     if first[0] != "ready":
-      return f"failed: the solution did not load: {first[1]}: {first[2]}"
+      return f"failed: the solution did not load: {str(first[1])[:100]}: {str(first[2])[:300]}"
     candidate = _Candidate(channel, job["entry_point"])
     namespace = {"__name__": "__tests__"}
     exec(compile(judge["prelude"], "prelude.py", "exec"), namespace)
@@ -249,7 +257,7 @@ def _judge(job: dict, judge: dict, channel: Channel) -> str:
 def main(argv: list[str]) -> None:
   mode, job_fd = argv[1], int(argv[2])
   with os.fdopen(job_fd, "rb") as fh:
-    job = marshal.loads(fh.read())
+    job = decode(fh.read())
   _limit(job["limits"])
   if mode == "tests":
     _tests(job, int(argv[3]), int(argv[4]))
