@@ -155,6 +155,17 @@ def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps
   return state
 
 
+def decode_memory(compiled, weights, state) -> dict:
+  """What the compiled decode loop holds on the device: its weights and state (the
+  arguments, the state's buffers donated) and the temporaries XLA allocates beyond them; a
+  temporary the size of the weights is a copy of them, which halves the batch that fits."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  return {"weights_bytes": _nbytes(weights), "state_bytes": _nbytes(state),
+          "temp_bytes": int(stats.temp_size_in_bytes)}
+
+
 def _nbytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
@@ -232,6 +243,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
     recipe = QuantRecipe.uniform(precision)
     ops = make_ops(layout)
     if (precision, layout) not in packed:  # one packing alive at a time
+      packed = weights = state = out = None  # nor the last variant's cache
       packed = {}
       packed[precision, layout] = random_weights(cfg, recipe, ops, jax.random.PRNGKey(0))
       if sync and precision != "bf16":
@@ -243,21 +255,26 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention)
     for b in batches:
       key = jax.random.PRNGKey(b)
+      memory = {}
       try:
         t0 = time.perf_counter()
         state = decode_state(engine, weights, b, context, steps, key, slots)
-        jax.block_until_ready(engine.run(weights, state, context + steps))
+        decode = engine.compiled_decode(weights, state)  # the executable engine.run calls
+        memory = decode_memory(decode, weights, state)
+        limit = lambda: {"limit": jnp.asarray(context + steps, jnp.int32)}  # donated each call
+        jax.block_until_ready(decode(weights, {**state, **limit()}))
         compile_s = time.perf_counter() - t0
         samples = []
         for rep in range(3):
           state = jax.block_until_ready(decode_state(engine, weights, b, context, steps,
                                                      jax.random.fold_in(key, rep), slots))
           t0 = time.perf_counter()
-          out = jax.block_until_ready(engine.run(weights, state, context + steps))
+          out = jax.block_until_ready(decode(weights, {**state, **limit()}))
           samples.append(time.perf_counter() - t0)
         assert int(out["t"]) == context + steps, int(out["t"])
       except Exception as e:  # noqa: BLE001  (out of memory at a large batch: reported)
-        result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]}")
+        result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]}"
+                                + (f" (decode loop: {memory})" if memory else ""))
         print("ERROR", result["errors"][-1], flush=True)
         continue
       seconds = float(np.median(samples)) / steps
@@ -267,10 +284,14 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       nbytes = step_bytes(cfg, weights, out["cache"], b, filled)
       row = {"variant": variant, "batch": b, "tokens_per_s": b / seconds,
              "step_ms": seconds * 1e3, "bytes_per_step": nbytes,
-             "roofline_frac": nbytes["total"] / copy / seconds, "first_call_s": compile_s}
+             "roofline_frac": nbytes["total"] / copy / seconds, "first_call_s": compile_s,
+             "decode_memory": memory}
       if profile:
         state = decode_state(engine, weights, b, context, steps, key, slots)
-        row["kernels_us_per_step"] = step_split(engine, weights, state, context + steps, steps)
+        split = step_split(engine, weights, state, context + steps, steps)
+        row["kernels_us_per_step"] = split
+        if split:  # the GPU idle between kernels, as a share of the measured step
+          row["between_kernels_frac"] = max(0.0, 1.0 - split["total"] / (seconds * 1e6))
       if hlo_dir:  # the decode loop as XLA compiled it: the fusions the profile names
         state = decode_state(engine, weights, b, context, steps, key, slots)
         text = engine.compiled_text(weights, state, context + steps)
@@ -291,14 +312,17 @@ def table(result: dict) -> str:
            f"context {result['context']}, {result['steps']} steps, copy "
            f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s",
            f"{'variant':20s} {'B':>4s} {'tokens/s':>10s} {'step ms':>8s} {'MB/step':>8s} "
-           f"{'roofline':>8s}"]
+           f"{'roofline':>8s} {'temp GB':>8s}"]
   for r in result["rows"]:
     lines.append(f"{r['variant']:20s} {r['batch']:4d} {r['tokens_per_s']:10.0f} "
                  f"{r['step_ms']:8.2f} {r['bytes_per_step']['total'] / 1e6:8.0f} "
-                 f"{100 * r['roofline_frac']:7.1f}%")
+                 f"{100 * r['roofline_frac']:7.1f}% "
+                 f"{r.get('decode_memory', {}).get('temp_bytes', float('nan')) / 1e9:8.2f}")
   for r in result["rows"]:
     if r.get("kernels_us_per_step"):
-      lines.append(f"{r['variant']} B={r['batch']}, GPU us a step by kernel: " + ", ".join(
+      gap = f", {100 * r['between_kernels_frac']:.0f}% of the step between kernels" if (
+          "between_kernels_frac" in r) else ""
+      lines.append(f"{r['variant']} B={r['batch']}{gap}, GPU us a step by kernel: " + ", ".join(
           f"{name} {us}" for name, us in _top(r["kernels_us_per_step"]).items()))
   for v, sec in result.get("sync_s_per_layer", {}).items():
     lines.append(f"weight sync {v}: {sec * 1e3:.1f} ms a layer, {sec * 48:.2f} s for 48 layers")

@@ -54,6 +54,9 @@ def test_bench_rollout_runs_its_variants():
   assert not result["errors"] and [r["variant"] for r in rows] == ["bf16:xla", "mxfp4:pallas"]
   assert all(r["tokens_per_s"] > 0 and r["roofline_frac"] > 0 for r in rows)
   assert rows[1]["bytes_per_step"]["total"] < rows[0]["bytes_per_step"]["total"] / 2
+  for r in rows:  # what the compiled loop holds: its weights as passed, temporaries beside
+    memory = r["decode_memory"]
+    assert memory["weights_bytes"] > 0 and memory["temp_bytes"] >= 0, memory
   print(bench_rollout.table(result))
   # a cache with room for more than it holds (--slots): the step reads the filled part
   longer = bench_rollout.run(2, [4], 112, 16, ["bf16:xla"], preset="small", slots=256)

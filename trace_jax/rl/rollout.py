@@ -162,10 +162,16 @@ class RolloutEngine:
                        f"{state['tokens'].shape[1] - 1}]")
     return self._decode_jit(weights, {**state, "limit": jnp.asarray(until, jnp.int32)})
 
+  def compiled_decode(self, weights, state: dict):
+    """`run`'s decode loop compiled ahead of time for these shapes: call it with (weights,
+    state with "limit"); its `memory_analysis()` says what it allocates beyond its arguments,
+    its `as_text()` what XLA fused, by name."""
+    state = {**state, "limit": jnp.asarray(0, jnp.int32)}
+    return self._decode_jit.lower(weights, state).compile()
+
   def compiled_text(self, weights, state: dict, until: int) -> str:
     """The optimized HLO of `run`'s decode loop for these shapes (what XLA fused, by name)."""
-    lowered = self._decode_jit.lower(weights, {**state, "limit": jnp.asarray(until, jnp.int32)})
-    return lowered.compile().as_text()
+    return self.compiled_decode(weights, state).as_text()
 
   def extend(self, weights, state: dict, tokens_BxT) -> dict:
     """Appends environment tokens (an observation: in the cache and the records, never in the
