@@ -154,7 +154,8 @@ class Run:
     predicts = batch.response_mask[:, 1:]
     flips = {}
     if diag and batch.codes:  # the trainer's codes for the policy that made the rollout
-      records_used = {i: batch.records[i] for i in self.trainer.record_layers}
+      records_used = {i: batch.records[i] for i in self.trainer.record_layers
+                      if i in batch.records}
       routes = batch.routes if c.rl.routing_replay else None
       out = self.codes(state["params"], batch.tokens, batch.valid, records=records_used,
                        routes=routes, rollout_routes=batch.routes)
