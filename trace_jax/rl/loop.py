@@ -26,7 +26,7 @@ from trace_jax import sharding as S
 from trace_jax.data.pipeline import demonstration, record_batches, supervised_batch
 from trace_jax.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer_json
 from trace_jax.models import ModelConfig, init_params, pack_weights
-from trace_jax.rl import grpo, hf_policy
+from trace_jax.rl import checkpoint, grpo, hf_policy
 from trace_jax.rl import metrics as M
 from trace_jax.rl.checkpoint import Checkpointer
 from trace_jax.rl.defaults import base_config
@@ -222,21 +222,26 @@ def _reason(e: BaseException) -> str:
 def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = False):
   """The run of `c` in `workdir`, its state and step: from the newest checkpoint that can be
   read, or fresh. Each one that cannot (a truncated file) is reported by name in one line, and
-  with `set_aside` renamed out of the way of the run's next saves."""
+  with `set_aside` renamed out of the way of the run's next saves; one that reads but holds
+  another layout stops the run (checkpoint.LayoutMismatch), as does any other error."""
   run, state, start, unreadable = None, None, 0, []
   for step in ckpt.steps():
     try:
       meta = ckpt.meta(step)
-    except Exception as e:  # noqa: BLE001 (orbax raises bare Exceptions for unreadable files)
+    except Exception as e:
+      if not checkpoint.unreadable(e):
+        raise
       unreadable.append((step, e))
       continue
     if run is None:
       _check_same_config(_config_json(saved_config(meta["config"])), _config_json(c), workdir)
       model = ModelConfig(**meta["model"]) if "model" in meta else None
       run = Run(c, workdir, load_tokenizer_json(meta["tokenizer"]), model)
-    try:
+    try:  # another layout (LayoutMismatch), an OSError, running out of memory: raised
       state, _ = ckpt.restore(step, run.abstract_state(reference=run.has_reference(step)))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
+      if not checkpoint.unreadable(e):
+        raise
       unreadable.append((step, e))
       continue
     start = step
