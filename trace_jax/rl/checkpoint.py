@@ -18,7 +18,11 @@ import orbax.checkpoint as ocp
 _DECODE_ERRORS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
 
 
-class LayoutMismatch(ValueError):
+class CannotResume(ValueError):
+  """A workdir's checkpoints cannot continue this run; the message says why and what to do."""
+
+
+class LayoutMismatch(CannotResume):
   """A checkpoint that reads, of another state layout than the code restoring it builds."""
 
 

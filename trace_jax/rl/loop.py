@@ -247,8 +247,11 @@ def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = Fals
     start = step
     break
   if state is None and unreadable:
-    raise ValueError(f"no checkpoint in {ckpt.directory} can be read: " + "; ".join(
-        f"step {step}: {_reason(e)}" for step, e in unreadable))
+    raise checkpoint.CannotResume(
+        f"no checkpoint in {ckpt.directory} can be read: " + "; ".join(
+            f"step {step}: {_reason(e)}" for step, e in unreadable) + "; move them aside (mv "
+        f"{ckpt.path(unreadable[0][0])} {ckpt.path(unreadable[0][0])}.unreadable, each of them) "
+        "to start the run over, or use a new --workdir")
   for step, e in unreadable:
     log(f"checkpoint {ckpt.path(step)} cannot be read ({_reason(e)}); "
         + (f"set aside as {ckpt.set_aside(step)}" if set_aside else "skipped"))
@@ -366,8 +369,8 @@ def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
   # data_dir says where the prepared data lives, not what the run does
   diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k != "data_dir")
   if diff:
-    raise ValueError(f"{workdir} holds a run with a different config (keys {diff}); resume with "
-                     "the same config or use a new --workdir")
+    raise checkpoint.CannotResume(f"{workdir} holds a run with a different config (keys "
+                                  f"{diff}); resume with the same config or use a new --workdir")
 
 
 def summarize(workdir: str, c) -> dict:
