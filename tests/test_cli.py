@@ -48,6 +48,9 @@ def test_bad_main_input_is_one_line_naming_the_key_and_its_choices(tmp_path):
   helped, = one_line_errors([
       ((*run, "--config.rl.nope=1"), ["rl.nope", "kl_coef", "routing_replay"]),
       ((*run, "--config.rl.lrr=1"), ["rl.lrr", "did you mean rl.lr?"]),
+      ((*run, "--config.rl.kernels=pallas"), ["rl.kernels", "moved to engine.kernels"]),
+      ((*run, "--config.rl.attention_kernel=mosaic"),
+       ["rl.attention_kernel", "moved to engine.attention_kernel"]),
       ((*run, "--config.nope.x=1"), ["nope.x", "top-level keys", "sft"]),
       ((*run, "--config.rl.lr.x=1"), ["rl.lr.x", "rl.lr is a float"]),
       ((*run, "--config.rl.lr=abc"), ["rl.lr", "float", "'abc'"]),

@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from trace_jax import sharding as S
+from trace_jax.configs import MOVED
 from trace_jax.data.pipeline import demonstration, record_batches, supervised_batch
 from trace_jax.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer_json
 from trace_jax.models import ModelConfig, init_params, pack_weights
@@ -200,10 +201,10 @@ def saved_config(saved: dict) -> ml_collections.ConfigDict:
   defaults (the behaviour that run had), and keys that moved where they are now, so that older
   runs load and resume."""
   saved = json.loads(json.dumps(saved))  # a copy to move keys in
-  rl, engine = saved.get("rl", {}), saved.setdefault("engine", {})
-  for key in ("kernels", "attention_kernel"):  # under rl before the engine section
-    if key in rl:
-      engine[key] = rl.pop(key)
+  for old, new in MOVED.items():
+    (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+    if old_key in saved.get(old_section, {}):
+      saved.setdefault(new_section, {})[new_key] = saved[old_section].pop(old_key)
   c = base_config()
   c.update(saved)
   return c
