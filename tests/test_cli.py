@@ -48,6 +48,9 @@ def test_bad_main_input_is_one_line_naming_the_key_and_its_choices(tmp_path):
   helped, = one_line_errors([
       ((*run, "--config.rl.nope=1"), ["rl.nope", "kl_coef", "routing_replay"]),
       ((*run, "--config.rl.lrr=1"), ["rl.lrr", "did you mean rl.lr?"]),
+      ((*run, "--config.rl.kernels=pallas"), ["rl.kernels", "moved to engine.kernels"]),
+      ((*run, "--config.rl.attention_kernel=mosaic"),
+       ["rl.attention_kernel", "moved to engine.attention_kernel"]),
       ((*run, "--config.nope.x=1"), ["nope.x", "top-level keys", "sft"]),
       ((*run, "--config.rl.lr.x=1"), ["rl.lr.x", "rl.lr is a float"]),
       ((*run, "--config.rl.lr=abc"), ["rl.lr", "float", "'abc'"]),
@@ -93,6 +96,42 @@ def test_bad_input_of_the_other_entry_points_is_one_line(tmp_path):
       ((*ABLATION, "--seeds=one"), ["--seeds", "'one'"]),
       ((*ABLATION, "--nope"), ["--nope"]),
       ((*ABLATION, f"--out={a_file}"), [str(a_file), "not a directory"]),
+  ])
+
+
+def test_a_workdir_that_cannot_resume_is_one_line_saying_what_to_do(tmp_path):
+  """Checkpoints that cannot continue the run (another config, none readable) stop it before
+  any work, as bad input does (one of another layout: tests/rl/test_loop.py)."""
+  import jax.numpy as jnp
+
+  from configs import reasoning
+  from trace_jax.data.tokenizer import CharTokenizer
+  from trace_jax.rl.checkpoint import Checkpointer
+  from trace_jax.rl.loop import _config_json
+  from trace_jax.rl.validate import make_task
+
+  data = str(tmp_path / "data")
+  c = reasoning.get_config("smoke")
+  c.data_dir = data
+  tokenizer = CharTokenizer(make_task(c.task).alphabet())
+  meta = {"step": 1, "tokenizer": tokenizer.to_json(), "config": _config_json(c)}
+
+  def workdir(name):
+    ckpt = Checkpointer(str(tmp_path / name))
+    ckpt.save(1, {"key": jnp.zeros(2, jnp.uint32)}, meta)
+    ckpt.close()
+    return str(tmp_path / name)
+
+  corrupted = workdir("corrupted")
+  with open(tmp_path / "corrupted" / "checkpoints" / "1" / "meta" / "metadata", "w") as fh:
+    fh.write("{")  # cut short
+  step = str(tmp_path / "corrupted" / "checkpoints" / "1")
+  run = (*MAIN, "--config=configs/reasoning.py:smoke", f"--config.data_dir={data}")
+  one_line_errors([
+      ((*run, f"--workdir={workdir('other')}", "--config.rl.lr=0.5"),
+       ["different config", "rl.lr", "new --workdir"]),
+      ((*run, f"--workdir={corrupted}"), ["no checkpoint", "can be read", step, "aside",
+                                          "new --workdir"]),
   ])
 
 

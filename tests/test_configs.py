@@ -32,6 +32,9 @@ def test_config_loads_with_every_variant(path):
     module.get_config("nope")
   with pytest.raises(ValueError, match="unknown config key 'nope'"):
     module.get_config("nope=1")
+  if "rl" in base:  # keys that moved say where to
+    with pytest.raises(ValueError, match="'rl.kernels': moved to engine.kernels"):
+      module.get_config("rl.kernels=pallas")
 
 
 def test_ablation_config_is_the_family_config_resized():

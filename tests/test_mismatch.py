@@ -153,3 +153,29 @@ def test_bad_choices_fail_before_work():
   c = mismatch_config.get_config("quick,kernels=cuda")
   with pytest.raises(ValueError, match=r"kernels='cuda': choose from \['xla', 'pallas'\]"):
     mismatch.run(c)
+
+
+def test_main_loads_the_policy_once(tmp_path, monkeypatch, capsys):
+  """The table's layer count comes from the policy the probe ran, not from loading it again
+  (a Hugging Face checkpoint or a run's, read whole each time)."""
+  (tmp_path / "config.json").write_text("{}")  # the probe's check looks for the file only
+  c = mismatch_config.get_config(f"quick,precisions=bf16,hf_path={tmp_path}")
+  loads, seen = [], []
+  tiny = mismatch.load_policy(mismatch_config.get_config("quick"))
+
+  def load_policy(config):
+    loads.append(config.hf_path)
+    return tiny
+
+  def probe_precision(cfg, params, precision, prompts, config, times):
+    seen.append(cfg)
+    times.update(rollout_compile_s=0.0, rollout_s=0.0, settings_s=[0.0])
+    return [{"rollout_quant": precision, "records": "none", "routing_replay": False,
+             "mismatch/kl_k3_by_position": []}]
+
+  monkeypatch.setattr(mismatch, "load_policy", load_policy)
+  monkeypatch.setattr(mismatch, "probe_precision", probe_precision)
+  monkeypatch.setattr(mismatch._CONFIG, "_value", c)
+  mismatch.main([])
+  assert loads == [str(tmp_path)] and seen == [tiny[0]]
+  assert "| bf16" in capsys.readouterr().out

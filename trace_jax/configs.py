@@ -30,6 +30,11 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
   return config
 
 
+# keys that moved, section.key -> section.key where it is now (saved runs are read with them
+# moved there: trace_jax.rl.loop.saved_config)
+MOVED = {"rl.kernels": "engine.kernels", "rl.attention_kernel": "engine.attention_kernel"}
+
+
 def set_key(config: ml_collections.ConfigDict, key: str, value) -> None:
   """config[key] = value for a dotted key, converting strings to the existing value's type.
 
@@ -64,6 +69,9 @@ def _walk(config: ml_collections.ConfigDict, key: str):
       kind = _KINDS.get(type(node), type(node).__name__)
       raise ValueError(f"unknown config key {key!r}: {here} is {kind}, not a section")
     if part not in node:
+      moved = MOVED.get(".".join(parts[:i + 1]))
+      if moved:
+        raise ValueError(f"unknown config key {key!r}: moved to {moved}")
       where = f"keys of {here}" if here else "top-level keys"
       raise ValueError(f"unknown config key {key!r}{_near(part, node, parts[:i])}; {where}: "
                        f"{', '.join(sorted(node.keys()))}")

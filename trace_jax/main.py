@@ -6,7 +6,8 @@
 Rerunning the same command with the same workdir resumes from the newest checkpoint. SIGTERM
 or Ctrl-C stops the run after the step in flight, with a checkpoint (a second one stops at
 once); the exit status is then 128 + the signal's number. Bad input (an unknown key, a bad
-value, a workdir that is a file) stops it first, with one line naming it; exit status 2.
+value, a workdir that is a file, a workdir whose checkpoints cannot continue this run) stops
+it first, with one line naming it and what to do; exit status 2.
 """
 
 import sys
@@ -14,6 +15,7 @@ import sys
 from absl import flags, logging
 
 from trace_jax import cli
+from trace_jax.rl.checkpoint import CannotResume
 from trace_jax.rl.loop import Interrupted, train
 from trace_jax.rl.validate import check_sandbox, check_workdir, validate
 from trace_jax.tasks.sandbox import BoundaryUnavailable
@@ -33,7 +35,8 @@ def main(argv):
     check_workdir(_WORKDIR.value)
     check_sandbox(c)
   try:
-    train(c, _WORKDIR.value, progress=_PROGRESS.value)
+    with cli.bad_input(CannotResume):  # the workdir's checkpoints, read before any work
+      train(c, _WORKDIR.value, progress=_PROGRESS.value)
   except Interrupted as e:  # train has said where the run stands
     sys.exit(128 + e.signum)
 

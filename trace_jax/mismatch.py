@@ -51,9 +51,9 @@ def load_policy(c: ml_collections.ConfigDict) -> tuple[ModelConfig, dict]:
   return cfg, init_params(cfg, jax.random.PRNGKey(c.init_seed))
 
 
-def task_prompts(workdir: str, n: int) -> list[list[int]]:
-  """The first n eval prompts of an RL run's task, tokenized as the run tokenizes them."""
-  run, _, _ = load_run(workdir)
+def task_prompts(run, n: int) -> list[list[int]]:
+  """The first n eval prompts of an RL run's task (`load_run`), tokenized as the run
+  tokenizes them."""
   records = run.eval_records[:n]
   if len(records) < n:
     raise ValueError(f"the run's eval set has {len(records)} prompts, the probe asks for {n}")
@@ -61,10 +61,18 @@ def task_prompts(workdir: str, n: int) -> list[list[int]]:
 
 
 def random_prompts(cfg: ModelConfig, c, rng: np.random.Generator) -> list[list[int]]:
-  if c.checkpoint:
-    return task_prompts(c.checkpoint, c.batch)
   lens = rng.integers(c.prompt_len_min, c.prompt_len_max + 1, c.batch)
   return [rng.integers(1, cfg.vocab_size, n).tolist() for n in lens]
+
+
+def load_probe(c: ml_collections.ConfigDict) -> tuple[ModelConfig, dict, list[list[int]]]:
+  """The policy and the prompts to probe it on: a run's newest policy and its eval prompts
+  (the run read once), or the policy of `load_policy` and random prompts."""
+  if c.checkpoint:
+    run, state, _ = load_run(c.checkpoint)
+    return run.cfg, state["params"], task_prompts(run, c.batch)
+  cfg, params = load_policy(c)
+  return cfg, params, random_prompts(cfg, c, np.random.default_rng(c.seed))
 
 
 def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
@@ -176,11 +184,12 @@ def check(c: ml_collections.ConfigDict) -> None:
                      f"{c.top_p}")
 
 
-def run(c: ml_collections.ConfigDict, log=print) -> list[dict]:
+def run(c: ml_collections.ConfigDict, log=print, probe=None) -> list[dict]:
+  """The rows of every (precision, guidance, replay) setting; `probe`: what `load_probe(c)`
+  returns, where the caller has it already."""
   check(c)
   chosen = _choices(c.precisions, precisions(), "precisions")
-  cfg, params = load_policy(c)
-  prompts = random_prompts(cfg, c, np.random.default_rng(c.seed))
+  cfg, params, prompts = probe or load_probe(c)
   rows = []
   for precision in chosen:
     start, times = time.perf_counter(), {}
@@ -238,14 +247,13 @@ def main(argv):
   with cli.bad_input():
     check(c)
   start = time.perf_counter()
-  rows = run(c)
+  probe = load_probe(c)
+  rows = run(c, probe=probe)
   if c.output:
     with open(c.output, "w") as fh:
       for row in rows:
         fh.write(json.dumps(row) + "\n")
-  n_layers = load_policy(c)[0].n_layers if c.hf_path or c.checkpoint else preset(
-      c.model).n_layers
-  print(table(rows, n_layers))
+  print(table(rows, probe[0].n_layers))
   print(f"# {len(rows)} settings, {time.perf_counter() - start:.0f}s, jax {jax.__version__} on "
         f"{jax.default_backend()}")
 

@@ -28,6 +28,23 @@ def test_overrides_by_site_and_layer_range():
   assert [s.site_format("k", i, 2).name for i in range(2)] == ["bf16", "fp8"]
 
 
+@pytest.mark.parametrize("rule", ["moe_mid=fp8,acts=nvfp4", "acts=nvfp4,moe_mid=fp8",
+                                  "moe_mid=fp8,nvfp4", "nvfp4,moe_mid=fp8",
+                                  "acts=nvfp4,fp8,moe_mid=fp8", "moe_mid=fp8,bf16,acts=nvfp4"])
+def test_within_a_rule_a_site_beats_its_group_beats_a_bare_format_in_any_order(rule):
+  r = QuantRecipe.parse(f"mxfp4; {rule}")
+  assert r.site_format("moe_mid", 0, 1).name == "fp8"
+  assert r.site_format("attn_in", 0, 1).name == "nvfp4"
+  # a later rule beats an earlier one, whatever it names
+  later = QuantRecipe.parse(f"mxfp4; {rule}; acts=mxfp4")
+  assert later.site_format("moe_mid", 0, 1).name == "mxfp4"
+
+
+def test_format_names_are_stored_lowercase():
+  assert QuantRecipe.parse("MXFP4; layers=0,moe_mid=FP8") == QuantRecipe.parse(
+      "mxfp4; layers=0,moe_mid=fp8")
+
+
 @pytest.mark.parametrize("spec,message", [
     ("mxfp5", "unknown format 'mxfp5'; choose one of"),
     ("weights=mxfp4,bias=fp8", "unknown key 'bias'"),

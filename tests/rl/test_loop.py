@@ -7,12 +7,15 @@ import shutil
 import signal
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from tests.test_main import comparable, data_dir, smoke  # noqa: F401 (data_dir: a fixture)
 from trace_jax.rl.checkpoint import Checkpointer
-from trace_jax.rl.loop import Interrupted, Run, train
+from trace_jax.data.tokenizer import CharTokenizer
+from trace_jax.rl.loop import Interrupted, Run, _config_json, train
+from trace_jax.rl.validate import make_task
 from trace_jax.rl.writer import MetricsWriter, read_metrics
 
 # smoke sizes: 3 warm-start steps, then 4 RL steps (steps 3-6); evaluations after steps 2, 5
@@ -140,3 +143,27 @@ def test_an_unreadable_newest_checkpoint_is_named_and_the_one_before_resumes(
   with pytest.raises(ValueError, match=r"no checkpoint in .* can be read"):
     train(config(data_dir), workdir, progress=False, log=quiet)
   assert all(os.path.isdir(os.path.join(workdir, "checkpoints", str(s))) for s in (TOTAL - 1, TOTAL))
+
+
+def test_a_checkpoint_of_another_layout_is_refused_by_name_not_set_aside(data_dir, tmp_path):
+  """A checkpoint that reads but holds another state layout (here: the layers' params stacked,
+  as a scanned model would save them) is no corruption: the run stops, naming the checkpoint
+  and what differs, and leaves it (and the one before) where they are."""
+  c, workdir = config(data_dir), str(tmp_path)
+  tokenizer = CharTokenizer(make_task(c.task).alphabet())
+  state = Run(c, workdir, tokenizer).initial_state()
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *state["params"]["layers"])
+  other = {**state, "params": {**state["params"], "layers": stacked}}
+  meta = {"tokenizer": tokenizer.to_json(), "config": _config_json(c)}
+  ckpt = Checkpointer(workdir)
+  ckpt.save(1, state, {**meta, "step": 1})
+  ckpt.save(2, other, {**meta, "step": 2})
+  ckpt.close()
+  with pytest.raises(ValueError) as e:
+    train(c, workdir, progress=False, log=quiet)
+  message = str(e.value)
+  assert os.path.join(workdir, "checkpoints", "2") in message and "layout" in message
+  assert "params/layers/0/attn_norm" in message and "params/layers/attn_norm" in message
+  assert "\n" not in message and "new --workdir" in message
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
+  assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))

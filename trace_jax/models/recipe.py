@@ -98,9 +98,13 @@ class QuantRecipe:
     """A recipe from its string: rules separated by ";", each a comma-separated list of
     `key=value` (keys: weights, acts, kv, a site name, layers) or a bare format name (weights,
     acts and kv at once). The first rule is the base (its layers: the quantized ones, default
-    all); each later one overrides its keys for its layers (default all). Layers: none, all,
-    last:N, or indices and inclusive ranges joined by "+" ("0", "0-3+7"). E.g. "mxfp4",
-    "weights=nvfp4,acts=mxfp4,kv=mxfp4", "mxfp4; layers=last:2,moe_mid=fp8"."""
+    all); each later one overrides its keys for its layers (default all). Within a rule the
+    order of keys does not matter: a site's key beats its group's (acts, kv), which beats a
+    bare format; across rules the later one wins. Format names are case-insensitive (stored
+    lowercase). Layers: none, all, last:N, or indices and inclusive ranges joined by "+" ("0",
+    "0-3+7"). E.g. "mxfp4", "weights=nvfp4,acts=mxfp4,kv=mxfp4",
+    "mxfp4; layers=last:2,moe_mid=fp8" ("mxfp4; moe_mid=fp8,acts=nvfp4": moe_mid fp8, the other
+    activation sites nvfp4)."""
     rules = [r.strip() for r in spec.split(";")]
     if not spec.strip() or not all(rules):
       raise ValueError(f"recipe {spec!r}: expected rules separated by ';'")
@@ -118,18 +122,15 @@ class QuantRecipe:
         if key != "layers" and value.lower() not in FORMATS:
           raise ValueError(f"recipe {spec!r}: unknown format {value!r}; choose one of "
                            f"{precisions()}")
-        kv[key] = _layers(value, spec) if key == "layers" else value
+        kv[key] = _layers(value, spec) if key == "layers" else value.lower()
       parsed.append(kv)
     base = parsed[0]
     fmt = lambda kv, g: kv.get(g, kv.get("*", "bf16"))
     overrides = []
-    for kv in parsed[1:]:
+    for kv in parsed[1:]:  # applied in order: the narrower key last, so that it wins
       layers = kv.get("layers", "all")
-      for key, value in kv.items():
-        if key == "*":
-          overrides += [(g, layers, value) for g in GROUPS]
-        elif key != "layers":
-          overrides.append((key, layers, value))
+      overrides += [(g, layers, fmt(kv, g)) for g in GROUPS if g in kv or "*" in kv]
+      overrides += [(k, layers, v) for k, v in kv.items() if k in SITES]
     sites = [(k, v) for k, v in base.items() if k in SITES]
     overrides = [(k, base.get("layers", "all"), v) for k, v in sites] + overrides
     return cls(weights=fmt(base, "weights"), acts=fmt(base, "acts"), kv=fmt(base, "kv"),

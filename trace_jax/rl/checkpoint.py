@@ -8,10 +8,49 @@ killed during a save leaves the checkpoints before it as they were.
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
 import orbax.checkpoint as ocp
+
+# TensorStore's status codes for a checkpoint's bytes cut short, missing or not decoding
+_DECODE_ERRORS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
+
+
+class CannotResume(ValueError):
+  """A workdir's checkpoints cannot continue this run; the message says why and what to do."""
+
+
+class LayoutMismatch(CannotResume):
+  """A checkpoint that reads, of another state layout than the code restoring it builds."""
+
+
+def unreadable(e: BaseException) -> bool:
+  """Whether `e`, or an error under it (orbax wraps TensorStore's), says that a checkpoint's
+  files are cut short, missing or do not decode; not a layout that differs, a machine's
+  passing failure or running out of memory."""
+  for _ in range(16):  # a chain, not a cycle
+    if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError, FileNotFoundError)):
+      return True
+    if type(e) is ValueError and str(e).startswith(_DECODE_ERRORS):
+      return True
+    e = e.__cause__ or e.__context__
+    if e is None:
+      return False
+  return False
+
+
+def _leaves(tree) -> dict[str, tuple]:
+  """path -> (shape, dtype) of every array, the path's parts as plain names (a checkpoint's
+  metadata has dicts and lists where the state has named tuples)."""
+  name = lambda k: str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
+  return {"/".join(map(name, path)): (tuple(leaf.shape), str(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _few(names: list[str], n: int = 3) -> str:
+  return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 class Checkpointer:
@@ -21,6 +60,8 @@ class Checkpointer:
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self.manager = ocp.CheckpointManager(
         self.directory,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                              enable_async_checkpointing=False))
 
@@ -52,8 +93,30 @@ class Checkpointer:
   def meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
+  def check_layout(self, step: int, like) -> None:
+    """Raises LayoutMismatch, naming the checkpoint and what differs, where the arrays it holds
+    are not those of `like` (by path, shape and dtype)."""
+    tree = self.manager.item_metadata(step).state
+    tree = getattr(tree, "tree", tree)  # orbax's TreeMetadata, or the tree itself
+    if tree is None:  # saved without tree metadata: the restore checks what it can
+      return
+    saved, want = _leaves(tree), _leaves(like)
+    if saved == want:
+      return
+    missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+    changed = [f"{k} {saved[k]} here {want[k]}" for k in sorted(set(want) & set(saved))
+               if saved[k] != want[k]]
+    what = ([f"{len(missing)} arrays missing ({_few(missing)})"] if missing else []) + (
+        [f"{len(extra)} arrays not expected ({_few(extra)})"] if extra else []) + (
+        [f"{len(changed)} of another shape or dtype ({_few(changed)})"] if changed else [])
+    raise LayoutMismatch(f"checkpoint {self.path(step)} holds a state of another layout than "
+                         f"this code builds: {'; '.join(what)}; resume it with the version that "
+                         "wrote it, or use a new --workdir")
+
   def restore(self, step: int, like) -> tuple[dict, dict]:
-    """State shaped (and placed) like `like`, and the metadata."""
+    """State shaped (and placed) like `like`, and the metadata; LayoutMismatch where the
+    checkpoint holds other arrays."""
+    self.check_layout(step, like)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))

@@ -23,10 +23,11 @@ import numpy as np
 from tqdm import tqdm
 
 from trace_jax import sharding as S
+from trace_jax.configs import MOVED
 from trace_jax.data.pipeline import demonstration, record_batches, supervised_batch
 from trace_jax.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer_json
 from trace_jax.models import ModelConfig, init_params, pack_weights
-from trace_jax.rl import grpo, hf_policy
+from trace_jax.rl import checkpoint, grpo, hf_policy
 from trace_jax.rl import metrics as M
 from trace_jax.rl.checkpoint import Checkpointer
 from trace_jax.rl.defaults import base_config
@@ -154,7 +155,8 @@ class Run:
     predicts = batch.response_mask[:, 1:]
     flips = {}
     if diag and batch.codes:  # the trainer's codes for the policy that made the rollout
-      records_used = {i: batch.records[i] for i in self.trainer.record_layers}
+      records_used = {i: batch.records[i] for i in self.trainer.record_layers
+                      if i in batch.records}
       routes = batch.routes if c.rl.routing_replay else None
       out = self.codes(state["params"], batch.tokens, batch.valid, records=records_used,
                        routes=routes, rollout_routes=batch.routes)
@@ -199,10 +201,10 @@ def saved_config(saved: dict) -> ml_collections.ConfigDict:
   defaults (the behaviour that run had), and keys that moved where they are now, so that older
   runs load and resume."""
   saved = json.loads(json.dumps(saved))  # a copy to move keys in
-  rl, engine = saved.get("rl", {}), saved.setdefault("engine", {})
-  for key in ("kernels", "attention_kernel"):  # under rl before the engine section
-    if key in rl:
-      engine[key] = rl.pop(key)
+  for old, new in MOVED.items():
+    (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+    if old_key in saved.get(old_section, {}):
+      saved.setdefault(new_section, {})[new_key] = saved[old_section].pop(old_key)
   c = base_config()
   c.update(saved)
   return c
@@ -221,28 +223,36 @@ def _reason(e: BaseException) -> str:
 def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = False):
   """The run of `c` in `workdir`, its state and step: from the newest checkpoint that can be
   read, or fresh. Each one that cannot (a truncated file) is reported by name in one line, and
-  with `set_aside` renamed out of the way of the run's next saves."""
+  with `set_aside` renamed out of the way of the run's next saves; one that reads but holds
+  another layout stops the run (checkpoint.LayoutMismatch), as does any other error."""
   run, state, start, unreadable = None, None, 0, []
   for step in ckpt.steps():
     try:
       meta = ckpt.meta(step)
-    except Exception as e:  # noqa: BLE001 (orbax raises bare Exceptions for unreadable files)
+    except Exception as e:
+      if not checkpoint.unreadable(e):
+        raise
       unreadable.append((step, e))
       continue
     if run is None:
       _check_same_config(_config_json(saved_config(meta["config"])), _config_json(c), workdir)
       model = ModelConfig(**meta["model"]) if "model" in meta else None
       run = Run(c, workdir, load_tokenizer_json(meta["tokenizer"]), model)
-    try:
+    try:  # another layout (LayoutMismatch), an OSError, running out of memory: raised
       state, _ = ckpt.restore(step, run.abstract_state(reference=run.has_reference(step)))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
+      if not checkpoint.unreadable(e):
+        raise
       unreadable.append((step, e))
       continue
     start = step
     break
   if state is None and unreadable:
-    raise ValueError(f"no checkpoint in {ckpt.directory} can be read: " + "; ".join(
-        f"step {step}: {_reason(e)}" for step, e in unreadable))
+    raise checkpoint.CannotResume(
+        f"no checkpoint in {ckpt.directory} can be read: " + "; ".join(
+            f"step {step}: {_reason(e)}" for step, e in unreadable) + "; move them aside (mv "
+        f"{ckpt.path(unreadable[0][0])} {ckpt.path(unreadable[0][0])}.unreadable, each of them) "
+        "to start the run over, or use a new --workdir")
   for step, e in unreadable:
     log(f"checkpoint {ckpt.path(step)} cannot be read ({_reason(e)}); "
         + (f"set aside as {ckpt.set_aside(step)}" if set_aside else "skipped"))
@@ -360,8 +370,8 @@ def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
   # data_dir says where the prepared data lives, not what the run does
   diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k != "data_dir")
   if diff:
-    raise ValueError(f"{workdir} holds a run with a different config (keys {diff}); resume with "
-                     "the same config or use a new --workdir")
+    raise checkpoint.CannotResume(f"{workdir} holds a run with a different config (keys "
+                                  f"{diff}); resume with the same config or use a new --workdir")
 
 
 def summarize(workdir: str, c) -> dict:

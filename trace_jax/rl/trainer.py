@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from trace_jax.models.config import ModelConfig
-from trace_jax.models.recipe import QuantRecipe, parse_layers
+from trace_jax.models.recipe import SITES, QuantRecipe, parse_layers
+from trace_jax.quant import BF16
 from trace_jax.rl import grpo
 from trace_jax.rl.recompute import recompute
 
@@ -29,6 +30,19 @@ class ModeSetup:
   train: QuantRecipe
   records: str | tuple[int, ...]
 
+  def check(self, n_layers: int) -> None:
+    """Raises ValueError naming the first (recorded layer, site) whose record the trainer
+    cannot be guided by: a record guides only the format it was made in (`guided_quant`), so
+    where the trainer quantizes a recorded site the rollout must record it in that format."""
+    for i in parse_layers(self.records, n_layers, what="records"):
+      for site in SITES:
+        train = self.train.site_format(site, i, n_layers)
+        rollout = self.rollout.site_format(site, i, n_layers)
+        if train is not BF16 and rollout != train:
+          what = "nothing (bf16)" if rollout is BF16 else rollout.name
+          raise ValueError(f"layer {i} {site}: the rollout records {what}, the trainer "
+                           f"quantizes {train.name}")
+
 
 def mode_setup(mode: str, fp4: str = "mxfp4", trace_layers: str = "last:2",
                rollout_recipe: str = "", train_recipe: str = "") -> ModeSetup:
@@ -37,7 +51,9 @@ def mode_setup(mode: str, fp4: str = "mxfp4", trace_layers: str = "last:2",
   trace: QAT guided by records of `trace_layers`; trace_all: every layer. `fp4` is any
   registered format (the name is the ablation's; fp8 or a user's format works too).
   rollout_recipe / train_recipe: `QuantRecipe.parse` specs that replace the mode's recipes
-  (e.g. "weights=nvfp4,acts=mxfp4,kv=mxfp4"), the mode still choosing the records."""
+  (e.g. "weights=nvfp4,acts=mxfp4,kv=mxfp4"), the mode still choosing the records. In a
+  recorded layer the trainer quantizes each site in the rollout's format or not at all
+  (`ModeSetup.check`; validate refuses other pairs before any work)."""
   if mode not in MODES:
     raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
   bf16, q = QuantRecipe(), QuantRecipe.uniform(fp4)
@@ -91,6 +107,7 @@ class Trainer:
                options: RLOptions):
     self.cfg, self.setup, self.opt, self.o = cfg, setup, optimizer, options
     self.record_layers = parse_layers(setup.records, cfg.n_layers, what="records")
+    setup.check(cfg.n_layers)
     self.sft_step = jax.jit(self._sft_step, donate_argnums=(0,))
     self._rl_jit = jax.jit(self._rl_step, donate_argnums=(0,))
 
@@ -124,7 +141,8 @@ class Trainer:
   # -- GRPO ------------------------------------------------------------------------------------
 
   def _forward(self, params, batch, recipe=None):
-    records = {i: batch["records"][i] for i in self.record_layers}
+    # a recorded layer the rollout leaves unquantized has no records (ModeSetup.check)
+    records = {i: batch["records"][i] for i in self.record_layers if i in batch["records"]}
     routes = batch["routes"] if self.o.routing_replay else None
     return recompute(self.cfg, params, batch["tokens"], batch["valid"],
                      recipe or self.setup.train, records=records, routes=routes,

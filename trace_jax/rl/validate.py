@@ -11,7 +11,7 @@ from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
 from trace_jax.models.recipe import QuantRecipe, parse_layers, precisions
 from trace_jax.rl import hf_policy
 from trace_jax.rl.grpo import CORRECTIONS
-from trace_jax.rl.trainer import MODES
+from trace_jax.rl.trainer import MODES, mode_setup
 from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask, sandbox
 
 FAMILIES = ("reasoning", "coding", "long_horizon")
@@ -80,6 +80,15 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
         QuantRecipe.parse(c.rl[key]).check(n_layers)
       except ValueError as e:
         raise ValueError(f"rl.{key}: {e}") from None
+  try:
+    mode_setup(c.rl.mode, c.rl.fp4, c.rl.trace_layers, c.rl.rollout_recipe,
+               c.rl.train_recipe).check(n_layers)
+  except ValueError as e:
+    raise ValueError(f"rl.mode={c.rl.mode!r} (rl.fp4={c.rl.fp4!r}, rl.rollout_recipe="
+                     f"{c.rl.rollout_recipe!r}, rl.train_recipe={c.rl.train_recipe!r}): {e}; a "
+                     "record guides only the format it was made in: give both recipes the same "
+                     "format there (or bf16 in the trainer), or record other layers "
+                     "(rl.trace_layers)") from None
   _positive(c, "sft.batch_size", "rl.prompts_per_step", "rl.max_new_tokens", "rl.lr",
             "eval.every", "eval.size", "eval.batch_size", "checkpoint.every",
             "checkpoint.keep", "max_prompt_len", "rl.minibatches", "rl.correction_cap")
