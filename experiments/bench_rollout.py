@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -213,6 +214,28 @@ def step_split(engine, weights, state, until: int, steps: int) -> dict:
   return split
 
 
+_FUSION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+) fusion\(.*?calls=%([\w.\-]+)(.*)$", re.M)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def describe_fusions(hlo_text: str, names) -> dict:
+  """What each of the profile's XLA kernels computes, from the compiled HLO: its output shape,
+  the op at the root of the fused computation and the JAX op it was traced from (profiler
+  names are HLO names with "_" for "."; kernels that are no fusion are left out)."""
+  roots = {}
+  for m in re.finditer(r"^%([\w.\-]+) .*?\{\n(.*?)^\}", hlo_text, re.M | re.S):
+    root = re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", m.group(2))
+    roots[m.group(1)] = root.group(1) if root else "?"
+  found = {}
+  for m in _FUSION.finditer(hlo_text):
+    name = m.group(1).replace(".", "_")
+    if name in names:
+      op = _OP_NAME.search(m.group(4))
+      found[name] = {"shape": m.group(2), "root": roots.get(m.group(3), "?"),
+                     "op_name": op.group(1) if op else ""}
+  return found
+
+
 def _top(split: dict, top: int = 12) -> dict:
   """The `top` largest kernels of a `step_split`, the rest summed as "other", and the total."""
   names = [n for n in split if n != "total"]
@@ -293,10 +316,11 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
         if split:  # the GPU idle between kernels, as a share of the measured step
           row["between_kernels_frac"] = max(0.0, 1.0 - split["total"] / (seconds * 1e6))
       if hlo_dir:  # the decode loop as XLA compiled it: the fusions the profile names
-        state = decode_state(engine, weights, b, context, steps, key, slots)
-        text = engine.compiled_text(weights, state, context + steps)
+        text = decode.as_text()
         with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
           fh.write(text)
+        if row.get("kernels_us_per_step"):
+          row["fusions"] = describe_fusions(text, list(_top(row["kernels_us_per_step"], 40)))
       result["rows"].append(row)
       print(json.dumps(row), flush=True)
   if memory and preset == "qwen3_30b_a3b":

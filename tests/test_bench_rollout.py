@@ -45,3 +45,19 @@ def test_random_weights_are_the_weight_syncs_layout(precision, kernels):
     engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=2))
     out = engine.generate(got, *pad_prompts([[3, 4, 5]]), jax.random.PRNGKey(0))
     assert bool(jnp.all(jnp.isfinite(out.logp)))
+
+
+def test_describe_fusions_names_what_a_profiled_kernel_computes():
+  hlo = """
+%fused_computation.7 (param_0: u8[4,64]) -> u8[4,64] {
+  %param_0 = u8[4,64]{1,0} parameter(0)
+  ROOT %select.3 = u8[4,64]{1,0} select(%p, %param_0, %param_0)
+}
+
+ENTRY %main (a: u8[4,64]) -> u8[4,64] {
+  ROOT %loop_select_fusion.12 = u8[4,64]{1,0} fusion(%a), kind=kLoop, calls=%fused_computation.7, metadata={op_name="jit(_decode)/while/body/select_n" stack_frame_id=3}
+}
+"""
+  got = bench_rollout.describe_fusions(hlo, ["loop_select_fusion_12", "absent_kernel"])
+  assert got == {"loop_select_fusion_12": {"shape": "u8[4,64]{1,0}", "root": "select",
+                                           "op_name": "jit(_decode)/while/body/select_n"}}
