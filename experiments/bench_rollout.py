@@ -69,21 +69,32 @@ def parse_variant(v: str) -> tuple[str, str, str]:
   return parts[0], parts[1], attention
 
 
-def random_cache(cache: list, key) -> list:
-  """The engine's cache layout filled with random content: bf16 normals, random FP4 codes with
-  unit scales (E8M0 127; E4M3 0x38) and unit globals."""
-  leaves, tree = jax.tree.flatten(cache)
-  filled = []
-  for i, a in enumerate(leaves):
+def random_cache(shapes: list, key) -> list:
+  """The engine's cache layout (`shapes`: its arrays or their `jax.ShapeDtypeStruct`s) filled
+  with random content, one leaf at a time, so no other cache is ever alive beside it: bf16
+  normals, random FP4 codes with unit scales (E8M0 127; E4M3 0x38) and unit globals."""
+  def fill(path, s, i):
     k = jax.random.fold_in(key, i)
-    if a.dtype == jnp.bfloat16:
-      filled.append(jax.random.normal(k, a.shape, a.dtype))
-    elif a.dtype == jnp.float32:  # NVFP4 globals
-      filled.append(jnp.ones(a.shape, a.dtype))
-    else:
-      filled.append(jax.random.bits(k, a.shape, jnp.uint8))
-  cache = jax.tree.unflatten(tree, filled)
-  return [tuple(_unit_scales(c) for c in pair) for pair in cache]
+    name = jax.tree_util.keystr(path)
+    if s.dtype == jnp.bfloat16:
+      return jax.random.normal(k, s.shape, s.dtype)
+    if s.dtype == jnp.float32:  # NVFP4 globals
+      return jnp.ones(s.shape, s.dtype)
+    if name.endswith(".scales"):
+      fmt = _leaf_format(shapes, path)
+      return jnp.full(s.shape, 127 if fmt == "mxfp4" else 0x38, s.dtype)
+    return jax.random.bits(k, s.shape, jnp.uint8)
+
+  leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  return jax.tree.unflatten(tree, [fill(p, s, i) for i, (p, s) in enumerate(leaves)])
+
+
+def _leaf_format(tree, path) -> str:
+  """The format name of the QArray holding the leaf at `path`."""
+  node = tree
+  for entry in path[:-1]:
+    node = node[entry.idx] if hasattr(entry, "idx") else getattr(node, entry.name)
+  return node.fmt.name
 
 
 def _unit_scales(c):
@@ -148,11 +159,12 @@ def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps
   prompts = jnp.zeros((batch, 8), jnp.int32)
   lengths = jnp.full((batch,), 8, jnp.int32)
   shapes = jax.eval_shape(lambda *a: engine.start(*a, total), weights, prompts, lengths, key)
+  cache = shapes.pop("cache")  # made last, and once: a 48-layer bf16 cache is 26 GB
   state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   slots = state["valid"].shape[1]
   state.update(t=jnp.asarray(context, jnp.int32), limit=jnp.asarray(total - 1, jnp.int32),
                key=jax.random.fold_in(key, 1), valid=jnp.ones((batch, slots), bool),
-               cache=random_cache(new_kv_cache(engine.cfg, engine.recipe, batch, slots), key))
+               cache=random_cache(cache, key))
   return state
 
 
@@ -284,6 +296,9 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
         state = decode_state(engine, weights, b, context, steps, key, slots)
         decode = engine.compiled_decode(weights, state)  # the executable engine.run calls
         memory = decode_memory(decode, weights, state)
+        if hlo_dir:  # before the first call, so a loop that runs out of memory is kept too
+          with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
+            fh.write(decode.as_text())
         limit = lambda: {"limit": jnp.asarray(context + steps, jnp.int32)}  # donated each call
         jax.block_until_ready(decode(weights, {**state, **limit()}))
         compile_s = time.perf_counter() - t0
@@ -315,12 +330,9 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
         row["kernels_us_per_step"] = split
         if split:  # the GPU idle between kernels, as a share of the measured step
           row["between_kernels_frac"] = max(0.0, 1.0 - split["total"] / (seconds * 1e6))
-      if hlo_dir:  # the decode loop as XLA compiled it: the fusions the profile names
-        text = decode.as_text()
-        with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
-          fh.write(text)
-        if row.get("kernels_us_per_step"):
-          row["fusions"] = describe_fusions(text, list(_top(row["kernels_us_per_step"], 40)))
+      if hlo_dir and row.get("kernels_us_per_step"):  # the fusions the profile names
+        row["fusions"] = describe_fusions(decode.as_text(),
+                                          list(_top(row["kernels_us_per_step"], 40)))
       result["rows"].append(row)
       print(json.dumps(row), flush=True)
   if memory and preset == "qwen3_30b_a3b":

@@ -61,3 +61,35 @@ ENTRY %main (a: u8[4,64]) -> u8[4,64] {
   got = bench_rollout.describe_fusions(hlo, ["loop_select_fusion_12", "absent_kernel"])
   assert got == {"loop_select_fusion_12": {"shape": "u8[4,64]{1,0}", "root": "select",
                                            "op_name": "jit(_decode)/while/body/select_n"}}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp4"])
+def test_decode_state_holds_one_cache_at_a_time(precision, monkeypatch):
+  """The decode state is built with one KV cache alive at any moment (weights aside): at 48
+  layers a bf16 cache is a third of the H200, and two of them beside the weights do not fit.
+  Every random leaf is checked against the bytes then alive on the device."""
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax.models import QuantRecipe, tiny
+  from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
+  cfg, recipe = tiny(), QuantRecipe.uniform(precision)
+  weights = bench_rollout.random_weights(cfg, recipe, bench_rollout.make_ops("xla"),
+                                         jax.random.PRNGKey(0))
+  engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=2))
+  live = lambda: sum(a.nbytes for a in jax.live_arrays())
+  base, peaks = live(), []
+  for name in ("normal", "bits"):
+    real = getattr(jax.random, name)
+
+    def spy(*a, real=real, **kw):
+      out = real(*a, **kw)
+      peaks.append(live())  # (out among them)
+      return out
+    monkeypatch.setattr(jax.random, name, spy)
+  state = bench_rollout.decode_state(engine, weights, 8, 200, 16, jax.random.PRNGKey(1))
+  held = sum(a.nbytes for a in jax.tree.leaves(state))  # the cache, and the rest of the state
+  leaf = max(a.nbytes for a in jax.tree.leaves(state["cache"]))
+  assert peaks and max(peaks) - base <= held + leaf, (max(peaks) - base, held, leaf)
+  assert all(float(jnp.std(a.astype(jnp.float32))) > 0 for a in jax.tree.leaves(state["cache"])
+             if a.dtype == jnp.bfloat16)
