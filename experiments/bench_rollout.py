@@ -48,7 +48,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.timing import copy_bandwidth, kernel_times, wall_seconds  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
-from trace_jax.models.config import qwen3_30b_a3b  # noqa: E402
 from pallas_kernels.dispatch import ATTENTION_KERNELS, make_ops  # noqa: E402
 from trace_jax.models.paths import new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
@@ -198,10 +197,13 @@ def step_bytes(cfg, weights, cache, batch: int, filled: float = 1.0) -> dict:
   return out
 
 
-def max_batch(precision: str, context: int, memory_bytes: float, n_layers: int = 48) -> int:
+def max_batch(precision: str, context: int, memory_bytes: float, preset: str = "qwen3_30b_a3b",
+              n_layers: int | None = None) -> int:
   """The largest batch whose KV cache at `context` tokens fits next to the full model's weights
-  (packed as the engine packs them) in `memory_bytes`, from byte counts (shapes only)."""
-  cfg = qwen3_30b_a3b(n_layers=1)
+  (packed as the engine packs them; `n_layers`, by default the preset's) in `memory_bytes`, from
+  byte counts (shapes only)."""
+  n_layers = n_layers or model_preset(preset).n_layers
+  cfg = model_preset(preset, n_layers=1)
   recipe = QuantRecipe.uniform(precision)
   params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0))
   w = jax.eval_shape(lambda p: pack_weights(cfg, p, recipe), params)
@@ -211,6 +213,11 @@ def max_batch(precision: str, context: int, memory_bytes: float, n_layers: int =
   kv = jax.eval_shape(lambda: new_kv_cache(cfg, recipe, 1, context))
   per_seq = n_layers * _nbytes(kv)
   return int((memory_bytes - weights) // per_seq)
+
+
+def device_bytes() -> int:
+  """The memory the device lets arrays take (0 where it does not say: the CPU)."""
+  return int((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))
 
 
 def step_split(engine, weights, state, until: int, steps: int) -> dict:
@@ -263,11 +270,11 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   cfg = model_preset(preset, n_layers=layers)
   copy = copy_bandwidth()
   device = jax.devices()[0]
-  memory = (device.memory_stats() or {}).get("bytes_limit", 0)
+  limit_bytes = device_bytes()
   result = {"device": str(device.device_kind), "jax": jax.__version__, "preset": preset,
             "layers": layers,
             "context": context, "steps": steps, "slots": slots, "copy_bytes_per_s": copy,
-            "memory_bytes": memory, "rows": [], "max_batch": {}, "sync_s_per_layer": {},
+            "memory_bytes": limit_bytes, "rows": [], "max_batch": {}, "sync_s_per_layer": {},
             "errors": []}
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
@@ -335,10 +342,10 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
                                           list(_top(row["kernels_us_per_step"], 40)))
       result["rows"].append(row)
       print(json.dumps(row), flush=True)
-  if memory and preset == "qwen3_30b_a3b":
+  if limit_bytes:  # the full model of the preset, its cache as the run allocates it
     for precision in sorted({v.split(":")[0] for v in variants}):
-      # the cache as the run allocates it: `slots` if given, else context + steps
-      result["max_batch"][precision] = max_batch(precision, slots or context + steps, memory)
+      result["max_batch"][precision] = max_batch(precision, slots or context + steps,
+                                                 limit_bytes, preset)
   return result
 
 

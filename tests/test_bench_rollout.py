@@ -93,3 +93,13 @@ def test_decode_state_holds_one_cache_at_a_time(precision, monkeypatch):
   assert peaks and max(peaks) - base <= held + leaf, (max(peaks) - base, held, leaf)
   assert all(float(jnp.std(a.astype(jnp.float32))) > 0 for a in jax.tree.leaves(state["cache"])
              if a.dtype == jnp.bfloat16)
+
+
+def test_run_counts_the_largest_batch_from_the_devices_memory(monkeypatch):
+  """Where the device says how much memory arrays may take, the run reports each precision's
+  largest batch of the preset's full model (the step rows keep their own decode memory)."""
+  monkeypatch.setattr(bench_rollout, "device_bytes", lambda: 2**30)
+  result = bench_rollout.run(1, [2], 48, 16, ["bf16:xla"], preset="tiny")
+  assert not result["errors"] and result["memory_bytes"] == 2**30
+  assert result["max_batch"]["bf16"] == bench_rollout.max_batch("bf16", 64, 2**30, "tiny") > 0
+  assert "decode_memory" in result["rows"][0]
