@@ -215,9 +215,29 @@ def max_batch(precision: str, context: int, memory_bytes: float, preset: str = "
   return int((memory_bytes - weights) // per_seq)
 
 
+def memory_stats() -> dict:
+  """The device allocator's counts ({} where it keeps none: the CPU)."""
+  return jax.devices()[0].memory_stats() or {}
+
+
 def device_bytes() -> int:
   """The memory the device lets arrays take (0 where it does not say: the CPU)."""
-  return int((jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))
+  return int(memory_stats().get("bytes_limit", 0))
+
+
+def check_fits(memory: dict, batch: int) -> None:
+  """Raises MemoryError, before anything is allocated, where the decode loop's state and
+  temporaries (`decode_memory`) do not fit beside what the device already holds. (After an
+  out-of-memory the GPU allocator of jax 0.11 retries every 10 s instead of failing, so a
+  batch that does not fit would otherwise hang until its time limit.)"""
+  stats = memory_stats()
+  if not memory or "bytes_limit" not in stats:
+    return
+  need = memory["state_bytes"] + memory["temp_bytes"]
+  free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  if need > free:
+    raise MemoryError(f"B={batch} does not fit: its decode state and temporaries take "
+                      f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB are free")
 
 
 def step_split(engine, weights, state, until: int, steps: int) -> dict:
@@ -300,9 +320,12 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       memory = {}
       try:
         t0 = time.perf_counter()
+        shapes = jax.eval_shape(  # compiled from shapes: nothing allocated until it fits
+            lambda k: decode_state(engine, weights, b, context, steps, k, slots), key)
+        decode = engine.compiled_decode(weights, shapes)  # the executable engine.run calls
+        memory = decode_memory(decode, weights, shapes)
+        check_fits(memory, b)
         state = decode_state(engine, weights, b, context, steps, key, slots)
-        decode = engine.compiled_decode(weights, state)  # the executable engine.run calls
-        memory = decode_memory(decode, weights, state)
         if hlo_dir:  # before the first call, so a loop that runs out of memory is kept too
           with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
             fh.write(decode.as_text())
@@ -311,6 +334,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
         compile_s = time.perf_counter() - t0
         samples = []
         for rep in range(3):
+          out = None  # (the last call's state, freed before the next is made)
           state = jax.block_until_ready(decode_state(engine, weights, b, context, steps,
                                                      jax.random.fold_in(key, rep), slots))
           t0 = time.perf_counter()
@@ -318,6 +342,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
           samples.append(time.perf_counter() - t0)
         assert int(out["t"]) == context + steps, int(out["t"])
       except Exception as e:  # noqa: BLE001  (out of memory at a large batch: reported)
+        state = out = None
         result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]}"
                                 + (f" (decode loop: {memory})" if memory else ""))
         print("ERROR", result["errors"][-1], flush=True)
@@ -331,6 +356,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
              "step_ms": seconds * 1e3, "bytes_per_step": nbytes,
              "roofline_frac": nbytes["total"] / copy / seconds, "first_call_s": compile_s,
              "decode_memory": memory}
+      out = None
       if profile:
         state = decode_state(engine, weights, b, context, steps, key, slots)
         split = step_split(engine, weights, state, context + steps, steps)

@@ -103,3 +103,21 @@ def test_run_counts_the_largest_batch_from_the_devices_memory(monkeypatch):
   assert not result["errors"] and result["memory_bytes"] == 2**30
   assert result["max_batch"]["bf16"] == bench_rollout.max_batch("bf16", 64, 2**30, "tiny") > 0
   assert "decode_memory" in result["rows"][0]
+
+
+def test_a_batch_that_does_not_fit_is_refused_before_its_state_is_made(monkeypatch):
+  """The decode loop is compiled from shapes and its state and temporaries counted against the
+  device's free memory first: a batch beyond it is one error naming the bytes, and no state is
+  allocated (a GPU out-of-memory would retry instead of failing)."""
+  import jax
+  monkeypatch.setattr(bench_rollout, "memory_stats",
+                      lambda: {"bytes_limit": 2**20, "bytes_in_use": 2**19})
+  made = []
+  real = bench_rollout.decode_state
+  monkeypatch.setattr(bench_rollout, "decode_state",
+                      lambda *a, **kw: made.append(isinstance(a[-2], jax.core.Tracer))
+                      or real(*a, **kw))
+  result = bench_rollout.run(1, [64], 48, 16, ["bf16:xla"], preset="tiny")
+  assert not result["rows"] and len(result["errors"]) == 1, result
+  assert "B=64 does not fit" in result["errors"][0] and "GB are free" in result["errors"][0]
+  assert made == [True]  # traced for its shapes, never built
