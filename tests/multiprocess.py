@@ -28,20 +28,21 @@ def env(devices: int) -> dict:
 
 
 class Processes:
-  """`python args... --config.dist.*` started once per process; `wait` collects them."""
+  """`python args... --config.dist.*` started once per process; `wait` collects them. With
+  `dist=False` (one process) no jax.distributed at all."""
 
-  def __init__(self, args: list[str], n: int = 2, devices: int = 4, extra_env: dict | None = None,
+  def __init__(self, args: list[str], n: int = 2, devices: int = 4, dist: bool = True,
                heartbeat_s: int = 10):
     port = portpicker.pick_unused_port()
     self.outs, self.procs = [], []
     for i in range(n):
-      dist = [f"--config.dist.coordinator=localhost:{port}", f"--config.dist.num_processes={n}",
-              f"--config.dist.process_id={i}", "--config.dist.init_timeout_s=120",
-              f"--config.dist.heartbeat_timeout_s={heartbeat_s}"] if n > 1 else []
+      flags = [f"--config.dist.coordinator=localhost:{port}", f"--config.dist.num_processes={n}",
+               f"--config.dist.process_id={i}", "--config.dist.init_timeout_s=120",
+               f"--config.dist.heartbeat_timeout_s={heartbeat_s}"] if dist else []
       out = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the process
       self.outs.append(out)
       self.procs.append(subprocess.Popen(
-          [sys.executable, *args, *dist], cwd=ROOT, env={**env(devices), **(extra_env or {})},
+          [sys.executable, *args, *flags], cwd=ROOT, env=env(devices),
           stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True))
 
   def signal(self, i: int, signum: int) -> None:
@@ -53,12 +54,13 @@ class Processes:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
-  def wait(self, timeout_s: float) -> list[tuple[int, str]]:
-    """(exit status, output) of each process; the others are killed as soon as one fails."""
+  def wait(self, timeout_s: float, ok=(0,)) -> list[tuple[int, str]]:
+    """(exit status, output) of each process; the others are killed as soon as one exits with
+    a status not in `ok`."""
     deadline = time.time() + timeout_s
     try:
       while any(p.poll() is None for p in self.procs):
-        if any(p.poll() not in (None, 0) for p in self.procs) or time.time() > deadline:
+        if any(p.poll() not in (None, *ok) for p in self.procs) or time.time() > deadline:
           break
         time.sleep(0.1)
       timed_out = any(p.poll() is None for p in self.procs) and time.time() > deadline
@@ -75,7 +77,7 @@ class Processes:
     return results
 
 
-def run(args: list[str], n: int = 2, devices: int = 4, timeout_s: float = 300,
+def run(args: list[str], n: int = 2, devices: int = 4, timeout_s: float = 600,
         **kw) -> list[str]:
   """Runs them to the end; -> each process's output. Fails naming the first that failed."""
   procs = Processes(args, n, devices, **kw)

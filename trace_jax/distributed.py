@@ -31,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import sys
+import time
 import traceback
 
 import jax
@@ -85,6 +87,8 @@ def initialize(d: ml_collections.ConfigDict) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   args = {} if d.coordinator == "auto" else dict(
       coordinator_address=d.coordinator, num_processes=d.num_processes, process_id=d.process_id)
+  if args and d.process_id > 0:
+    _wait_for(d.coordinator, d.init_timeout_s)
   try:
     jax.distributed.initialize(**args, initialization_timeout=int(d.init_timeout_s),
                                heartbeat_timeout_seconds=int(d.heartbeat_timeout_s))
@@ -93,6 +97,23 @@ def initialize(d: ml_collections.ConfigDict) -> None:
     where = (f"dist.coordinator={d.coordinator!r}, process {d.process_id} of "
              f"{d.num_processes}") if args else "dist.coordinator='auto'"
     raise ValueError(f"jax.distributed.initialize ({where}) failed: {first}") from None
+
+
+def _wait_for(address: str, timeout_s: float) -> None:
+  """Waits until process 0's coordinator takes connections: where none ever does, JAX's
+  client would abort the process from C++ after the timeout, with a stack trace."""
+  host, port = address.rsplit(":", 1)
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+      return
+    except OSError as e:
+      if time.monotonic() > deadline:
+        raise ValueError(f"dist.coordinator={address!r}: no coordinator there after "
+                         f"{timeout_s:g}s (dist.init_timeout_s; {e.strerror or e}); start "
+                         "process 0 (dist.process_id=0) with the same address, or fix it") from None
+      time.sleep(0.2)
 
 
 def is_primary() -> bool:

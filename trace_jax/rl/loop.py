@@ -304,6 +304,9 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   log = log if primary else (lambda *_: None)
   os.makedirs(workdir, exist_ok=True)
   ckpt = Checkpointer(workdir, c.checkpoint.keep)
+  # processes that see other files (a workdir not shared between hosts) would restore
+  # different checkpoints, and then wait for each other
+  D.agree(ckpt.latest_step() or 0, f"the newest checkpoint in {ckpt.directory}")
   run, state, start = _open(c, workdir, ckpt, log, set_aside=True)
   start = D.agree(start, "the checkpoint step to resume from")
   if start:
