@@ -28,11 +28,11 @@ def env(devices: int) -> dict:
 
 
 class Processes:
-  """`python args... --config.dist.*` started once per process; `wait` collects them. With
-  `dist=False` (one process) no jax.distributed at all."""
+  """`python args... --config.dist.*` started once per process (`extra[i]`: more arguments for
+  process i); `wait` collects them. With `dist=False` (one process) no jax.distributed at all."""
 
   def __init__(self, args: list[str], n: int = 2, devices: int = 4, dist: bool = True,
-               heartbeat_s: int = 10):
+               heartbeat_s: int = 10, extra: list[list[str]] | None = None):
     port = portpicker.pick_unused_port()
     self.outs, self.procs = [], []
     for i in range(n):
@@ -42,7 +42,8 @@ class Processes:
       out = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the process
       self.outs.append(out)
       self.procs.append(subprocess.Popen(
-          [sys.executable, *args, *flags], cwd=ROOT, env=env(devices),
+          [sys.executable, *args, *flags, *(extra[i] if extra else [])], cwd=ROOT,
+          env=env(devices),
           stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True))
 
   def signal(self, i: int, signum: int) -> None:

@@ -51,6 +51,20 @@ def test_the_probe_in_two_processes_gives_the_rows_of_one_with_eight_devices(tmp
   assert '"mismatch/kl_k3"' not in text1 and "| rollout" not in text1  # process 0 reports
 
 
+def test_when_one_process_fails_the_other_stops_too(tmp_path):
+  """A process that fails leaves at once; the one left waiting for it in a collective is
+  stopped by jax.distributed when its heartbeats stop (here 5 s), not left hanging."""
+  a_file = tmp_path / "file"
+  a_file.write_text("")
+  procs = mp.Processes(["-m", "trace_jax.main", "--config=configs/reasoning.py:smoke",
+                        f"--config.data_dir={tmp_path / 'tfds'}", "--noprogress"], heartbeat_s=5,
+                       extra=[[f"--workdir={tmp_path / 'w'}"], [f"--workdir={a_file}"]])
+  # (a hang would end in wait's TimeoutError; -6: JAX's client aborts the process)
+  (code0, text0), (code1, text1) = procs.wait(timeout_s=120, ok=(0, 1, 2, 134, -6))
+  assert code1 == 2 and f"error: workdir {a_file} is a file" in text1, text1[-2000:]
+  assert code0 != 0, text0[-2000:]
+
+
 def main_args(workdir, data_dir):
   return ["-m", "trace_jax.main", "--config=configs/reasoning.py:smoke", f"--workdir={workdir}",
           f"--config.data_dir={data_dir}", "--noprogress", "--config.sft.steps=2",
