@@ -35,5 +35,5 @@ class StopBetweenSteps:
     return self
 
   def __exit__(self, *exc):
-    for s, handler in self._previous.items():  # None: a handler not set from Python
-      signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
