@@ -19,11 +19,12 @@ process, with the config's `dist` section saying where the coordinator is:
 Why config keys: MaxText, on TPUs and under Slurm, calls `jax.distributed.initialize()` and
 lets JAX detect the cluster (what "auto" does here); on GPUs without a scheduler it reads
 environment variables of its own (JAX_COORDINATOR_IP, JAX_COORDINATOR_PORT, NNODES, NODE_RANK)
-and passes them on; tunix's command-line entry points leave the call to their launcher. Every
-other setting of a trace_jax run is a config key, checked before any work and named in its
-errors, so these are too (a launcher sets `--config.dist.process_id=$RANK` as it would set an
-environment variable). They say how a run is launched, not what it computes: a checkpoint
-written by N processes resumes in M (`rl.loop` leaves `dist` out of its resume check).
+and passes them on. tunix's GRPO entry point does not call it: it runs one controller for all
+hosts on Pathways (a `--pathways_bns` flag, or JAX_PLATFORMS=proxy). Every other setting of a
+trace_jax run is a config key, checked before any work and named in its errors, so these are
+too (a launcher sets `--config.dist.process_id=$RANK` as it would an environment variable).
+They say how a run is launched, not what it computes: a checkpoint written by N processes
+resumes in M (`rl.loop` leaves `dist` out of its resume check).
 """
 
 from __future__ import annotations

@@ -83,6 +83,8 @@ def load_probe(c: ml_collections.ConfigDict) -> tuple[ModelConfig, dict, list[li
 
 
 def mesh(c: ml_collections.ConfigDict):
+  """The probe's (data, expert) mesh: one device by default, every device under several
+  processes (`check`)."""
   return S.make_mesh(c.mesh.data or None, c.mesh.expert)
 
 
