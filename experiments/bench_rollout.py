@@ -253,7 +253,7 @@ def step_split(engine, weights, state, until: int, steps: int) -> dict:
   return split
 
 
-_FUSION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+) fusion\(.*?calls=%([\w.\-]+)(.*)$", re.M)
+_FUSION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+) fusion\(.*?calls=%([\w.\-]+)(.*)$", re.M)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 

@@ -61,6 +61,13 @@ ENTRY %main (a: u8[4,64]) -> u8[4,64] {
   got = bench_rollout.describe_fusions(hlo, ["loop_select_fusion_12", "absent_kernel"])
   assert got == {"loop_select_fusion_12": {"shape": "u8[4,64]{1,0}", "root": "select",
                                            "op_name": "jit(_decode)/while/body/select_n"}}
+  # a fusion of several outputs: its shape is a tuple, spaces and all
+  tuple_hlo = hlo.replace("-> u8[4,64] {", "-> (u8[4,64], u8[4]) {").replace(
+      "ROOT %loop_select_fusion.12 = u8[4,64]{1,0} fusion",
+      "ROOT %loop_slice_fusion.189 = (u8[4,64]{1,0}, u8[4]{0}) fusion")
+  got = bench_rollout.describe_fusions(tuple_hlo, ["loop_slice_fusion_189"])
+  assert got["loop_slice_fusion_189"]["shape"] == "(u8[4,64]{1,0}, u8[4]{0})"
+  assert got["loop_slice_fusion_189"]["root"] == "select"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp4"])
