@@ -3,7 +3,8 @@
 How each quantization site, projection and attention is computed is the job of the `path`
 argument (`trace_jax.models.paths`): the trainer's path fake-quantizes master params and guides
 activations by records; the rollout's path multiplies packed FP4 weights and attends over a
-packed KV cache. This file only says what is computed, in which order.
+packed KV cache. This file only says what is computed, in which order; `forward` runs the
+layers the path computes alike as one `lax.scan` over their stacked params (`models.stacks`).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from trace_jax.quant import BF16
 class RolloutWeights:
   """The rollout engine's weights: projections as packed `QArray`s (or in the layout of the
   ops' kernels, `ops.weight_layout`; bf16 arrays in layers the recipe leaves unquantized),
-  embeddings and LM head in
-  the activation dtype, router and norms as in the master params. A different type from the
+  embeddings and LM head in the activation dtype, router and norms as in the master params;
+  `layers` one item per layer, or stacks of layers (`models.stacks`). A different type from the
   params, made only by `pack_weights`."""
 
   embed: jax.Array
