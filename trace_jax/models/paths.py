@@ -110,7 +110,9 @@ class TrainPath:
 
 class _TrainLayer:
   """One layer of the trainer's pass: layer `i` (an int, or traced inside a scan), computed
-  with the formats of layer `rep` (every layer of its run has them)."""
+  with the formats of layer `rep` (every layer of its run has them). A view lives for one
+  layer's trace: what it gathers (codes, the experts it chose) leaves through `finish`, as the
+  scan's per-layer outputs."""
 
   def __init__(self, path: TrainPath, rep: int, i, records: dict):
     self.path, self.rep, self.i, self.records = path, rep, i, records

@@ -220,7 +220,8 @@ class RolloutPath:
 class _RolloutLayer:
   """One layer of the engine's pass, with the formats of layer `rep`. Its cache: `cache_kv`
   before the new entries (a prefill's is empty: only the new entries leave the layer), or
-  entry `index` of the run's stacked cache `carry` (written in place, carried on)."""
+  entry `index` of the run's stacked cache `carry` (written in place, carried on). A view lives
+  for one layer's trace: what it gathers leaves through `finish`."""
 
   def __init__(self, path: RolloutPath, rep: int, cache_kv, carry=None, index=None):
     self.path, self.rep, self.cache_kv = path, rep, cache_kv

@@ -86,7 +86,7 @@ def select(items: Sequence, k):
   """items[k] for a traced k: a switch that copies only the chosen item."""
   if isinstance(k, int):
     return items[k]
-  if len(items) == 1:
+  if len(items) == 1 or not jax.tree.leaves(items[0]):  # nothing to choose between
     return items[0]
   return jax.lax.switch(k, [lambda it=it: it for it in items])
 
