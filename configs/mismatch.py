@@ -14,6 +14,7 @@ Override any key with --config.key=value, e.g. --config.max_new_tokens=64.
 
 import ml_collections
 
+from trace_jax import distributed
 from trace_jax.configs import apply_variant
 
 VARIANTS = {
@@ -46,4 +47,9 @@ def get_config(arg=None):
   c.attention_kernel = "auto"
   c.seed = 0
   c.output = ""  # also write the JSON lines here
+  # the first data x expert devices (trace_jax.sharding; data 0: every device that expert
+  # leaves): the rollout splits the batch over data and experts over expert, the training path
+  # the batch over both; under jax.distributed it takes every device of every process
+  c.mesh = ml_collections.ConfigDict(dict(data=1, expert=1))
+  c.dist = distributed.config()  # several processes: trace_jax.distributed
   return apply_variant(c, arg, VARIANTS)

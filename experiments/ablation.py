@@ -38,7 +38,7 @@ import ml_collections
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments import curves, figures  # noqa: E402
+from experiments import curves, figures, seeds as seed_stats  # noqa: E402
 from trace_jax import cli, mismatch  # noqa: E402
 from trace_jax.models import QuantRecipe, pack_weights  # noqa: E402
 from trace_jax.rl.checkpoint import Checkpointer  # noqa: E402
@@ -240,6 +240,9 @@ def _report(data: curves.Results, args) -> None:
   for path in figures.make_all(args.out, args.figures, data.families):
     print("wrote", path)
   table = markdown_table(data.summary, data.families)
+  across = seed_stats.markdown(data.summary, data.families)
+  if across:  # mean ± the 95% interval's half-width over seeds (experiments/seeds.py)
+    table += "\n\nAcross seeds (mean ± 95% interval, Student's t):\n\n" + across
   with open(os.path.join(args.out, "table.md"), "w") as fh:
     fh.write(table + "\n")
   print(table)

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -47,7 +48,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.timing import copy_bandwidth, kernel_times, wall_seconds  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
-from trace_jax.models.config import qwen3_30b_a3b  # noqa: E402
 from pallas_kernels.dispatch import ATTENTION_KERNELS, make_ops  # noqa: E402
 from trace_jax.models.rollout_path import new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
@@ -68,21 +68,32 @@ def parse_variant(v: str) -> tuple[str, str, str]:
   return parts[0], parts[1], attention
 
 
-def random_cache(cache: list, key) -> list:
-  """The engine's cache layout filled with random content: bf16 normals, random FP4 codes with
-  unit scales (E8M0 127; E4M3 0x38) and unit globals."""
-  leaves, tree = jax.tree.flatten(cache)
-  filled = []
-  for i, a in enumerate(leaves):
+def random_cache(shapes: list, key) -> list:
+  """The engine's cache layout (`shapes`: its arrays or their `jax.ShapeDtypeStruct`s) filled
+  with random content, one leaf at a time, so no other cache is ever alive beside it: bf16
+  normals, random FP4 codes with unit scales (E8M0 127; E4M3 0x38) and unit globals."""
+  def fill(path, s, i):
     k = jax.random.fold_in(key, i)
-    if a.dtype == jnp.bfloat16:
-      filled.append(jax.random.normal(k, a.shape, a.dtype))
-    elif a.dtype == jnp.float32:  # NVFP4 globals
-      filled.append(jnp.ones(a.shape, a.dtype))
-    else:
-      filled.append(jax.random.bits(k, a.shape, jnp.uint8))
-  cache = jax.tree.unflatten(tree, filled)
-  return [tuple(_unit_scales(c) for c in pair) for pair in cache]
+    name = jax.tree_util.keystr(path)
+    if s.dtype == jnp.bfloat16:
+      return jax.random.normal(k, s.shape, s.dtype)
+    if s.dtype == jnp.float32:  # NVFP4 globals
+      return jnp.ones(s.shape, s.dtype)
+    if name.endswith(".scales"):
+      fmt = _leaf_format(shapes, path)
+      return jnp.full(s.shape, 127 if fmt == "mxfp4" else 0x38, s.dtype)
+    return jax.random.bits(k, s.shape, jnp.uint8)
+
+  leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  return jax.tree.unflatten(tree, [fill(p, s, i) for i, (p, s) in enumerate(leaves)])
+
+
+def _leaf_format(tree, path) -> str:
+  """The format name of the QArray holding the leaf at `path`."""
+  node = tree
+  for entry in path[:-1]:
+    node = node[entry.idx] if hasattr(entry, "idx") else getattr(node, entry.name)
+  return node.fmt.name
 
 
 def _unit_scales(c):
@@ -147,11 +158,12 @@ def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps
   prompts = jnp.zeros((batch, 8), jnp.int32)
   lengths = jnp.full((batch,), 8, jnp.int32)
   shapes = jax.eval_shape(lambda *a: engine.start(*a, total), weights, prompts, lengths, key)
+  cache = shapes.pop("cache")  # made last, and once: a 48-layer bf16 cache is 26 GB
   state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   slots = state["valid"].shape[1]
   state.update(t=jnp.asarray(context, jnp.int32), limit=jnp.asarray(total - 1, jnp.int32),
                key=jax.random.fold_in(key, 1), valid=jnp.ones((batch, slots), bool),
-               cache=random_cache(new_kv_cache(engine.cfg, engine.recipe, batch, slots), key))
+               cache=random_cache(cache, key))
   return state
 
 
@@ -185,10 +197,13 @@ def step_bytes(cfg, weights, cache, batch: int, filled: float = 1.0) -> dict:
   return out
 
 
-def max_batch(precision: str, context: int, memory_bytes: float, n_layers: int = 48) -> int:
+def max_batch(precision: str, context: int, memory_bytes: float, preset: str = "qwen3_30b_a3b",
+              n_layers: int | None = None) -> int:
   """The largest batch whose KV cache at `context` tokens fits next to the full model's weights
-  (packed as the engine packs them) in `memory_bytes`, from byte counts (shapes only)."""
-  cfg = qwen3_30b_a3b(n_layers=1)
+  (packed as the engine packs them; `n_layers`, by default the preset's) in `memory_bytes`, from
+  byte counts (shapes only)."""
+  n_layers = n_layers or model_preset(preset).n_layers
+  cfg = model_preset(preset, n_layers=1)
   recipe = QuantRecipe.uniform(precision)
   params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0))
   w = jax.eval_shape(lambda p: pack_weights(cfg, p, recipe), params)
@@ -198,6 +213,31 @@ def max_batch(precision: str, context: int, memory_bytes: float, n_layers: int =
   kv = jax.eval_shape(lambda: new_kv_cache(cfg, recipe, 1, context))
   per_seq = n_layers * _nbytes(kv)
   return int((memory_bytes - weights) // per_seq)
+
+
+def memory_stats() -> dict:
+  """The device allocator's counts ({} where it keeps none: the CPU)."""
+  return jax.devices()[0].memory_stats() or {}
+
+
+def device_bytes() -> int:
+  """The memory the device lets arrays take (0 where it does not say: the CPU)."""
+  return int(memory_stats().get("bytes_limit", 0))
+
+
+def check_fits(memory: dict, batch: int) -> None:
+  """Raises MemoryError, before anything is allocated, where the decode loop's state and
+  temporaries (`decode_memory`) do not fit beside what the device already holds. (After an
+  out-of-memory the GPU allocator of jax 0.11 retries every 10 s instead of failing, so a
+  batch that does not fit would otherwise hang until its time limit.)"""
+  stats = memory_stats()
+  if not memory or "bytes_limit" not in stats:
+    return
+  need = memory["state_bytes"] + memory["temp_bytes"]
+  free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  if need > free:
+    raise MemoryError(f"B={batch} does not fit: its decode state and temporaries take "
+                      f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB are free")
 
 
 def step_split(engine, weights, state, until: int, steps: int) -> dict:
@@ -211,6 +251,28 @@ def step_split(engine, weights, state, until: int, steps: int) -> dict:
   split = {name: round(us, 1) for us, name in per_step}
   split["total"] = round(sum(us for us, _ in per_step), 1)
   return split
+
+
+_FUSION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+) fusion\(.*?calls=%([\w.\-]+)(.*)$", re.M)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def describe_fusions(hlo_text: str, names) -> dict:
+  """What each of the profile's XLA kernels computes, from the compiled HLO: its output shape,
+  the op at the root of the fused computation and the JAX op it was traced from (profiler
+  names are HLO names with "_" for "."; kernels that are no fusion are left out)."""
+  roots = {}
+  for m in re.finditer(r"^%([\w.\-]+) .*?\{\n(.*?)^\}", hlo_text, re.M | re.S):
+    root = re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", m.group(2))
+    roots[m.group(1)] = root.group(1) if root else "?"
+  found = {}
+  for m in _FUSION.finditer(hlo_text):
+    name = m.group(1).replace(".", "_")
+    if name in names:
+      op = _OP_NAME.search(m.group(4))
+      found[name] = {"shape": m.group(2), "root": roots.get(m.group(3), "?"),
+                     "op_name": op.group(1) if op else ""}
+  return found
 
 
 def _top(split: dict, top: int = 12) -> dict:
@@ -228,11 +290,11 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   cfg = model_preset(preset, n_layers=layers)
   copy = copy_bandwidth()
   device = jax.devices()[0]
-  memory = (device.memory_stats() or {}).get("bytes_limit", 0)
+  limit_bytes = device_bytes()
   result = {"device": str(device.device_kind), "jax": jax.__version__, "preset": preset,
             "layers": layers,
             "context": context, "steps": steps, "slots": slots, "copy_bytes_per_s": copy,
-            "memory_bytes": memory, "rows": [], "max_batch": {}, "sync_s_per_layer": {},
+            "memory_bytes": limit_bytes, "rows": [], "max_batch": {}, "sync_s_per_layer": {},
             "errors": []}
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
@@ -258,14 +320,21 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       memory = {}
       try:
         t0 = time.perf_counter()
+        shapes = jax.eval_shape(  # compiled from shapes: nothing allocated until it fits
+            lambda k: decode_state(engine, weights, b, context, steps, k, slots), key)
+        decode = engine.compiled_decode(weights, shapes)  # the executable engine.run calls
+        memory = decode_memory(decode, weights, shapes)
+        check_fits(memory, b)
         state = decode_state(engine, weights, b, context, steps, key, slots)
-        decode = engine.compiled_decode(weights, state)  # the executable engine.run calls
-        memory = decode_memory(decode, weights, state)
+        if hlo_dir:  # before the first call, so a loop that runs out of memory is kept too
+          with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
+            fh.write(decode.as_text())
         limit = lambda: {"limit": jnp.asarray(context + steps, jnp.int32)}  # donated each call
         jax.block_until_ready(decode(weights, {**state, **limit()}))
         compile_s = time.perf_counter() - t0
         samples = []
         for rep in range(3):
+          out = None  # (the last call's state, freed before the next is made)
           state = jax.block_until_ready(decode_state(engine, weights, b, context, steps,
                                                      jax.random.fold_in(key, rep), slots))
           t0 = time.perf_counter()
@@ -273,6 +342,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
           samples.append(time.perf_counter() - t0)
         assert int(out["t"]) == context + steps, int(out["t"])
       except Exception as e:  # noqa: BLE001  (out of memory at a large batch: reported)
+        state = out = None
         result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]}"
                                 + (f" (decode loop: {memory})" if memory else ""))
         print("ERROR", result["errors"][-1], flush=True)
@@ -286,23 +356,22 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
              "step_ms": seconds * 1e3, "bytes_per_step": nbytes,
              "roofline_frac": nbytes["total"] / copy / seconds, "first_call_s": compile_s,
              "decode_memory": memory}
+      out = None
       if profile:
         state = decode_state(engine, weights, b, context, steps, key, slots)
         split = step_split(engine, weights, state, context + steps, steps)
         row["kernels_us_per_step"] = split
         if split:  # the GPU idle between kernels, as a share of the measured step
           row["between_kernels_frac"] = max(0.0, 1.0 - split["total"] / (seconds * 1e6))
-      if hlo_dir:  # the decode loop as XLA compiled it: the fusions the profile names
-        state = decode_state(engine, weights, b, context, steps, key, slots)
-        text = engine.compiled_text(weights, state, context + steps)
-        with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
-          fh.write(text)
+      if hlo_dir and row.get("kernels_us_per_step"):  # the fusions the profile names
+        row["fusions"] = describe_fusions(decode.as_text(),
+                                          list(_top(row["kernels_us_per_step"], 40)))
       result["rows"].append(row)
       print(json.dumps(row), flush=True)
-  if memory and preset == "qwen3_30b_a3b":
+  if limit_bytes:  # the full model of the preset, its cache as the run allocates it
     for precision in sorted({v.split(":")[0] for v in variants}):
-      # the cache as the run allocates it: `slots` if given, else context + steps
-      result["max_batch"][precision] = max_batch(precision, slots or context + steps, memory)
+      result["max_batch"][precision] = max_batch(precision, slots or context + steps,
+                                                 limit_bytes, preset)
   return result
 
 

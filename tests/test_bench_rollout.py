@@ -45,3 +45,79 @@ def test_random_weights_are_the_weight_syncs_layout(precision, kernels):
     engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=2))
     out = engine.generate(got, *pad_prompts([[3, 4, 5]]), jax.random.PRNGKey(0))
     assert bool(jnp.all(jnp.isfinite(out.logp)))
+
+
+def test_describe_fusions_names_what_a_profiled_kernel_computes():
+  hlo = """
+%fused_computation.7 (param_0: u8[4,64]) -> u8[4,64] {
+  %param_0 = u8[4,64]{1,0} parameter(0)
+  ROOT %select.3 = u8[4,64]{1,0} select(%p, %param_0, %param_0)
+}
+
+ENTRY %main (a: u8[4,64]) -> u8[4,64] {
+  ROOT %loop_select_fusion.12 = u8[4,64]{1,0} fusion(%a), kind=kLoop, calls=%fused_computation.7, metadata={op_name="jit(_decode)/while/body/select_n" stack_frame_id=3}
+}
+"""
+  got = bench_rollout.describe_fusions(hlo, ["loop_select_fusion_12", "absent_kernel"])
+  assert got == {"loop_select_fusion_12": {"shape": "u8[4,64]{1,0}", "root": "select",
+                                           "op_name": "jit(_decode)/while/body/select_n"}}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp4"])
+def test_decode_state_holds_one_cache_at_a_time(precision, monkeypatch):
+  """The decode state is built with one KV cache alive at any moment (weights aside): at 48
+  layers a bf16 cache is a third of the H200, and two of them beside the weights do not fit.
+  Every random leaf is checked against the bytes then alive on the device."""
+  import jax
+  import jax.numpy as jnp
+
+  from trace_jax.models import QuantRecipe, tiny
+  from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
+  cfg, recipe = tiny(), QuantRecipe.uniform(precision)
+  weights = bench_rollout.random_weights(cfg, recipe, bench_rollout.make_ops("xla"),
+                                         jax.random.PRNGKey(0))
+  engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=2))
+  live = lambda: sum(a.nbytes for a in jax.live_arrays())
+  base, peaks = live(), []
+  for name in ("normal", "bits"):
+    real = getattr(jax.random, name)
+
+    def spy(*a, real=real, **kw):
+      out = real(*a, **kw)
+      peaks.append(live())  # (out among them)
+      return out
+    monkeypatch.setattr(jax.random, name, spy)
+  state = bench_rollout.decode_state(engine, weights, 8, 200, 16, jax.random.PRNGKey(1))
+  held = sum(a.nbytes for a in jax.tree.leaves(state))  # the cache, and the rest of the state
+  leaf = max(a.nbytes for a in jax.tree.leaves(state["cache"]))
+  assert peaks and max(peaks) - base <= held + leaf, (max(peaks) - base, held, leaf)
+  assert all(float(jnp.std(a.astype(jnp.float32))) > 0 for a in jax.tree.leaves(state["cache"])
+             if a.dtype == jnp.bfloat16)
+
+
+def test_run_counts_the_largest_batch_from_the_devices_memory(monkeypatch):
+  """Where the device says how much memory arrays may take, the run reports each precision's
+  largest batch of the preset's full model (the step rows keep their own decode memory)."""
+  monkeypatch.setattr(bench_rollout, "device_bytes", lambda: 2**30)
+  result = bench_rollout.run(1, [2], 48, 16, ["bf16:xla"], preset="tiny")
+  assert not result["errors"] and result["memory_bytes"] == 2**30
+  assert result["max_batch"]["bf16"] == bench_rollout.max_batch("bf16", 64, 2**30, "tiny") > 0
+  assert "decode_memory" in result["rows"][0]
+
+
+def test_a_batch_that_does_not_fit_is_refused_before_its_state_is_made(monkeypatch):
+  """The decode loop is compiled from shapes and its state and temporaries counted against the
+  device's free memory first: a batch beyond it is one error naming the bytes, and no state is
+  allocated (a GPU out-of-memory would retry instead of failing)."""
+  import jax
+  monkeypatch.setattr(bench_rollout, "memory_stats",
+                      lambda: {"bytes_limit": 2**20, "bytes_in_use": 2**19})
+  made = []
+  real = bench_rollout.decode_state
+  monkeypatch.setattr(bench_rollout, "decode_state",
+                      lambda *a, **kw: made.append(isinstance(a[-2], jax.core.Tracer))
+                      or real(*a, **kw))
+  result = bench_rollout.run(1, [64], 48, 16, ["bf16:xla"], preset="tiny")
+  assert not result["rows"] and len(result["errors"]) == 1, result
+  assert "B=64 does not fit" in result["errors"][0] and "GB are free" in result["errors"][0]
+  assert made == [True]  # traced for its shapes, never built

@@ -74,6 +74,15 @@ def test_bad_main_input_is_one_line_naming_the_key_and_its_choices(tmp_path):
        ["rl.trace_layers='last:5'", "4 layers"]),
       ((*run, "--config.model=small", "--config.model.n_layers=3",
         "--config.rl.trace_layers=last:4"), ["rl.trace_layers='last:4'", "3 layers"]),
+      ((*run, "--config.dist.num_processes=2"), ["dist.num_processes=2", "dist.coordinator"]),
+      ((*run, "--config.dist.coordinator=host0"), ["dist.coordinator='host0'", "host:port",
+                                                    "'auto'"]),
+      ((*run, "--config.dist.coordinator=localhost:1", "--config.dist.num_processes=2",
+        "--config.dist.process_id=2"), ["dist.process_id=2", "[0, dist.num_processes=2)"]),
+      # nothing listens on port 1: the process waits dist.init_timeout_s for process 0
+      ((*run, "--config.dist.coordinator=localhost:1", "--config.dist.num_processes=2",
+        "--config.dist.process_id=1", "--config.dist.init_timeout_s=1"),
+       ["dist.coordinator='localhost:1'", "no coordinator there after 1s", "process 0"]),
   ], extra=[(*MAIN, "--help")])
   assert not workdir.exists()
   assert "--workdir" in helped["stdout"] and "--config" in helped["stdout"], helped
@@ -91,6 +100,9 @@ def test_bad_input_of_the_other_entry_points_is_one_line(tmp_path):
       ((*MISMATCH, "--config=configs/mismatch.py:slow"), ["'slow'", "quick"]),
       ((*MISMATCH, f"--config.hf_path={not_a_model}"), [str(not_a_model), "config.json"]),
       ((*MISMATCH, f"--config.checkpoint={tmp_path / 'none'}"), [str(tmp_path / "none")]),
+      ((*MISMATCH, "--config.mesh.data=2"), ["mesh.data=2", "1 devices"]),
+      ((*MISMATCH, "--config.dist.coordinator=auto", "--config.dist.process_id=1"),
+       ["dist.coordinator='auto'", "dist.process_id (1)"]),
       ((*HUMANEVAL,), ["--hf_path"]),
       ((*HUMANEVAL, f"--hf_path={not_a_model}"), [str(not_a_model), "config.json"]),
       ((*HUMANEVAL, f"--hf_path={not_a_model}", "--precision=fp4"), ["precision", "mxfp4"]),

@@ -84,3 +84,20 @@ def test_mesh_and_rule_errors():
   params = init_params(cfg, jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match=r"layers/0/w_\w+: 6 experts do not split over mesh axis 'expert' of size 4"):
     S.param_shardings(params, mesh, S.TRAIN_RULES)
+
+
+def test_a_layout_puts_a_process_rows_and_brings_them_back():
+  # one process holds every row; tests/test_distributed.py runs two, each with its half
+  mesh = S.make_mesh(data=2, expert=4)
+  rollout, train = S.Layout(mesh, S.ROLLOUT_RULES), S.Layout(mesh, S.TRAIN_RULES)
+  x = np.arange(16 * 3).reshape(16, 3)
+  assert rollout.rows(16) == train.rows(16) == slice(0, 16)
+  placed = train.put({"x": x}, 16)["x"]
+  assert placed.sharding.spec[0] == ("data", "expert") and len(placed.addressable_shards) == 8
+  np.testing.assert_array_equal(train.local(placed), x)
+  np.testing.assert_array_equal(rollout.gather(x, 16), x)
+  np.testing.assert_array_equal(S.fetch(placed), x)
+  with pytest.raises(ValueError, match="batch of 6 does not split.*size 8"):
+    train.rows(6)
+  none = S.Layout(None, {})  # no mesh: the host's arrays, as they are
+  assert none.put(x, 16) is x and none.rows(16) == slice(0, 16)

@@ -8,13 +8,17 @@ or Ctrl-C stops the run after the step in flight, with a checkpoint (a second on
 once); the exit status is then 128 + the signal's number. Bad input (an unknown key, a bad
 value, a workdir that is a file, a workdir whose checkpoints cannot continue this run) stops
 it first, with one line naming it and what to do; exit status 2.
+
+Several processes (hosts, or GPUs of one host) run the same command each, with
+`--config.dist.coordinator=host:port --config.dist.num_processes=N --config.dist.process_id=i`
+(or `--config.dist.coordinator=auto` under Slurm, Open MPI, Kubernetes: trace_jax.distributed).
 """
 
 import sys
 
 from absl import flags, logging
 
-from trace_jax import cli
+from trace_jax import cli, distributed
 from trace_jax.rl.checkpoint import CannotResume
 from trace_jax.rl.loop import Interrupted, train
 from trace_jax.rl.validate import check_sandbox, check_workdir, validate
@@ -30,15 +34,18 @@ def main(argv):
     cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
   c = _CONFIG.value
-  with cli.bad_input(ValueError, BoundaryUnavailable):
-    validate(c)
-    check_workdir(_WORKDIR.value)
-    check_sandbox(c)
-  try:
-    with cli.bad_input(CannotResume):  # the workdir's checkpoints, read before any work
-      train(c, _WORKDIR.value, progress=_PROGRESS.value)
-  except Interrupted as e:  # train has said where the run stands
-    sys.exit(128 + e.signum)
+  with cli.bad_input():
+    distributed.initialize(c.dist)  # before anything asks JAX for its devices
+  with distributed.exit_at_once_on_failure():
+    with cli.bad_input(ValueError, BoundaryUnavailable):
+      validate(c)
+      check_workdir(_WORKDIR.value)
+      check_sandbox(c)
+    try:
+      with cli.bad_input(CannotResume):  # the workdir's checkpoints, read before any work
+        train(c, _WORKDIR.value, progress=_PROGRESS.value)
+    except Interrupted as e:  # train has said where the run stands
+      sys.exit(128 + e.signum)
 
 
 if __name__ == "__main__":

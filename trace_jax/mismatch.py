@@ -5,6 +5,11 @@
 For each rollout precision, one rollout batch (records for every layer, every site's codes kept
 for diagnostics), then the training path's recomputation for each guidance (which layers' records
 it uses) and routing replay setting. Prints one JSON object per line, then a table.
+
+On a mesh (`mesh.data`, `mesh.expert`: trace_jax.sharding) the rollout splits the batch over
+`data` and the experts over `expert`; under several processes (`dist`: trace_jax.distributed)
+each puts its own rows of the batch, every process computes every row's metrics, and process
+0 prints and writes them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import numpy as np
 from absl import logging
 
 from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
-from trace_jax import cli
+from trace_jax import cli, distributed
+from trace_jax import sharding as S
 from trace_jax.models import QuantRecipe, init_params, load_hf, pack_weights, parse_layers, preset
 from trace_jax.models.config import PRESETS, ModelConfig
 from trace_jax.models.recipe import precisions
@@ -29,6 +35,7 @@ from trace_jax.rl import metrics as M
 from trace_jax.rl.loop import load_run
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig, pad_prompts
+from trace_jax.rl.validate import check_mesh_spans_processes
 
 _CONFIG = cli.ConfigFile("config", "configs/mismatch.py", "probe config file")
 
@@ -75,10 +82,16 @@ def load_probe(c: ml_collections.ConfigDict) -> tuple[ModelConfig, dict, list[li
   return cfg, params, random_prompts(cfg, c, np.random.default_rng(c.seed))
 
 
+def mesh(c: ml_collections.ConfigDict):
+  """The probe's (data, expert) mesh: one device by default, every device under several
+  processes (`check`)."""
+  return S.make_mesh(c.mesh.data or None, c.mesh.expert)
+
+
 def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
   """One rollout batch at `precision` with every layer's records and every site's codes, on the
-  engine's kernels (`c.kernels`). -> (recipe, batch); `times` gets the seconds of compiling
-  and running it."""
+  engine's kernels (`c.kernels`), on `c.mesh`: each process puts its own rows of the batch.
+  -> (recipe, batch); `times` gets the seconds of compiling and running it."""
   times = {} if times is None else times
   recipe = QuantRecipe.uniform(precision)
   sampling = SamplingConfig(max_new_tokens=c.max_new_tokens, temperature=c.temperature,
@@ -88,7 +101,12 @@ def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
                          attention_kernel=c.attention_kernel)
   start = time.perf_counter()
   weights = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=engine.ops))(params)
-  tokens, lengths = pad_prompts(prompts)
+  m = mesh(c)
+  weights = S.place(weights, S.param_shardings(weights, m, S.ROLLOUT_RULES))
+  layout = S.Layout(m, S.ROLLOUT_RULES)
+  rows = layout.rows(len(prompts))
+  tokens, lengths = pad_prompts(prompts)  # the whole batch's width
+  tokens, lengths = layout.put((tokens[rows], lengths[rows]), len(prompts))
   key = jax.random.PRNGKey(c.seed)
   jax.block_until_ready(engine.generate(weights, tokens, lengths, key).tokens)  # compile
   times["rollout_compile_s"] = time.perf_counter() - start
@@ -130,7 +148,7 @@ def probe_precision(cfg, params, precision: str, prompts, c, times: dict | None 
     guide_L = jnp.asarray([i in layers for i in range(cfg.n_layers)])
     for replay in _choices(c.routing_replay, ("off", "on"), "routing_replay"):
       start = time.perf_counter()
-      got = jax.device_get(setting(params, batch, guide_L, jnp.asarray(replay == "on")))
+      got = S.fetch(setting(params, batch, guide_L, jnp.asarray(replay == "on")))
       row = {"rollout_quant": precision, "records": guidance, "routing_replay": replay == "on"}
       row.update(M.logp_mismatch_summary(got["logp"], batch.response_mask,
                                          prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
@@ -157,7 +175,9 @@ def phase_line(precision: str, n: int, total_s: float, times: dict) -> str:
 
 
 def check(c: ml_collections.ConfigDict) -> None:
-  """Every bad value fails here, by name, before any work."""
+  """Every bad value fails here, by name, before any work (after `distributed.initialize`:
+  the mesh is checked against the devices of every process)."""
+  distributed.check(c.dist)
   _choices(c.precisions, precisions(), "precisions")
   for key, allowed in (("kernels", KERNELS), ("attention_kernel", ATTENTION_KERNELS)):
     if c[key] not in allowed:
@@ -182,6 +202,14 @@ def check(c: ml_collections.ConfigDict) -> None:
   if c.temperature < 0 or not 0 < c.top_p <= 1:
     raise ValueError(f"temperature must be >= 0 and top_p in (0, 1]; got {c.temperature}, "
                      f"{c.top_p}")
+  n, expert = jax.device_count(), c.mesh.expert
+  data = c.mesh.data or n // max(expert, 1)
+  if expert < 1 or data < 1 or data * expert > n:
+    raise ValueError(f"mesh.data={c.mesh.data} x mesh.expert={expert} needs more than the {n} "
+                     "devices there are")
+  check_mesh_spans_processes(data, expert, n)
+  if c.batch % data:
+    raise ValueError(f"batch={c.batch} does not split over mesh.data={data}")
 
 
 def run(c: ml_collections.ConfigDict, log=print, probe=None) -> list[dict]:
@@ -190,6 +218,7 @@ def run(c: ml_collections.ConfigDict, log=print, probe=None) -> list[dict]:
   check(c)
   chosen = _choices(c.precisions, precisions(), "precisions")
   cfg, params, prompts = probe or load_probe(c)
+  params = S.place(params, S.param_shardings(params, mesh(c), S.TRAIN_RULES))
   rows = []
   for precision in chosen:
     start, times = time.perf_counter(), {}
@@ -245,17 +274,24 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # absl would log every backend JAX probes for
   c = _CONFIG.value
   with cli.bad_input():
-    check(c)
-  start = time.perf_counter()
-  probe = load_probe(c)
-  rows = run(c, probe=probe)
-  if c.output:
-    with open(c.output, "w") as fh:
-      for row in rows:
-        fh.write(json.dumps(row) + "\n")
-  print(table(rows, probe[0].n_layers))
-  print(f"# {len(rows)} settings, {time.perf_counter() - start:.0f}s, jax {jax.__version__} on "
-        f"{jax.default_backend()}")
+    distributed.initialize(c.dist)  # before anything asks JAX for its devices
+  with distributed.exit_at_once_on_failure():
+    with cli.bad_input():
+      check(c)
+    start = time.perf_counter()
+    probe = load_probe(c)
+    primary = distributed.is_primary()
+    rows = run(c, log=print if primary else lambda *_: None, probe=probe)
+    if not primary:
+      return
+    if c.output:
+      with open(c.output, "w") as fh:
+        for row in rows:
+          fh.write(json.dumps(row) + "\n")
+    print(table(rows, probe[0].n_layers))
+    print(f"# {len(rows)} settings, {time.perf_counter() - start:.0f}s, jax {jax.__version__} "
+          f"on {jax.default_backend()}, {jax.device_count()} devices in {jax.process_count()} "
+          "processes")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ The mesh has a `data` axis and an `expert` axis. Arrays are described by logical
   over `expert`, so a decode step reads each expert's bytes on one device only;
 - training: sequences split over every device (`data` x `expert`); expert weights over `expert`.
 
-Everything else is replicated. The same jitted programs run on one device or many: only the
-placement of their inputs changes (`place`).
+Everything else is replicated. The same jitted programs run on one device or many, in one
+process or several (jax.distributed: trace_jax.distributed): only the placement of their inputs
+changes (`place`, `Layout`). Under several processes each holds its devices' shards of every
+array; `Layout` says which rows of a batch a process loads and computes rewards for, and
+`fetch` brings an array whole to every host.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "expert")
@@ -112,4 +116,75 @@ def batch_shardings(tree, mesh: Mesh, rules: Rules, batch_axis: int = 0):
 
 
 def place(tree, shardings):
-  return jax.device_put(tree, shardings)
+  """`tree` on `shardings` (a tree of them, or one for every leaf). Under several processes a
+  host value (or an array on one local device) is the whole array, the same on every process,
+  and each process puts its own devices' slices of it."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree.map(lambda _: shardings, tree)
+
+  def one(x, s):
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable and not s.is_fully_addressable):
+      return jax.device_put(x, s)  # resharding a global array (every process takes part)
+    x = np.asarray(x)  # device_put would first compare the value across processes
+    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+  return jax.tree.map(one, tree, shardings)
+
+
+def fetch(tree):
+  """Host copies (numpy) of a tree's arrays, whole on every process: an array split between
+  processes is gathered from them (a collective: every process must call it, in the same
+  order)."""
+  def one(x):
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+      return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(one, tree)
+
+
+class Layout:
+  """How one program's batches are split between processes, along their leading (batch) axis:
+  which rows of a batch this process loads (`rows`), how each process's rows become the one
+  global batch (`put`), and how its rows come back to it (`local`). With one process every row
+  is its own; without a mesh, arrays stay where they are (one device)."""
+
+  def __init__(self, mesh: Mesh | None, rules: Rules):
+    self.mesh, self.rules = mesh, rules
+
+  def _sharding(self, ndim: int) -> NamedSharding:
+    return NamedSharding(self.mesh, spec(("batch",) + (None,) * (ndim - 1), self.rules))
+
+  def rows(self, n: int) -> slice:
+    """The rows of a batch of `n` on this process's devices: one contiguous block."""
+    if self.mesh is None:
+      return slice(0, n)
+    batch_shardings(np.zeros((n,)), self.mesh, self.rules)  # n must split: one clear line
+    blocks = {index[0].indices(n)[:2]
+              for index in self._sharding(1).addressable_devices_indices_map((n,)).values()}
+    lo, hi = min(b[0] for b in blocks), max(b[1] for b in blocks)
+    if sum(b - a for a, b in blocks) != hi - lo:  # meshes from make_mesh never do this
+      raise ValueError(f"this process's rows of a batch of {n} are not one block: {blocks}")
+    return slice(lo, hi)
+
+  def put(self, local_tree, n: int):
+    """Global arrays of `n` rows from each process's `rows(n)` of them (its host values)."""
+    if self.mesh is None:
+      return local_tree
+
+    def one(x):
+      x = np.asarray(x)
+      return jax.make_array_from_process_local_data(self._sharding(x.ndim), x,
+                                                    (n, *x.shape[1:]))
+    return jax.tree.map(one, local_tree)
+
+  def local(self, x) -> np.ndarray:
+    """This process's `rows` of a global array split along its leading axis, on the host."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(x)
+    shards = {s.index[0].indices(x.shape[0])[:2]: s.data for s in x.addressable_shards}
+    return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)])
+
+  def gather(self, local, n: int) -> np.ndarray:
+    """The whole batch on every process, from each process's `rows(n)` of it."""
+    return fetch(self.put(local, n))

@@ -31,11 +31,14 @@ def tile_rows(group_sizes, t: int, block_m: int):
   n_tiles = -(-t // block_m) + e  # static bound on sum(tiles)
   row_end = jnp.cumsum(sizes)
   rows_i = jnp.arange(t, dtype=jnp.int32)
-  expert_of_row = jnp.minimum(jnp.searchsorted(row_end, rows_i, side="right"), e - 1)
+  # compare_all: one fusion of T x E compares; the default (a scan) is a loop of log2(E) steps,
+  # each of which a GPU while loop ends by reading its condition on the host
+  expert_of_row = jnp.minimum(
+      jnp.searchsorted(row_end, rows_i, side="right", method="compare_all"), e - 1)
   dest = (tile_end - tiles)[expert_of_row] * block_m + rows_i - (row_end - sizes)[expert_of_row]
   dest = jnp.where(rows_i < row_end[-1], dest, n_tiles * block_m)
-  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"),
-                            e - 1).astype(jnp.int32)
+  tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right",
+                                             method="compare_all"), e - 1).astype(jnp.int32)
   slot = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
   slot_expert = tile_expert[slot // block_m]
   offset = slot - (tile_end - tiles)[slot_expert] * block_m

@@ -175,6 +175,16 @@ def test_group_tiles_places_each_group_at_its_tiles(block_m):
     assert (slots[used:] >= len(want)).all() and (want[slots[:used]] == np.arange(used)).all()
 
 
+def test_tile_rows_is_loop_free():
+  """The row placement runs inside every decode step, once a grouped matmul: it compiles to
+  no loop (a searchsorted by scan is a while loop of log2(E) steps, and each step of a GPU
+  while loop waits on the host for its condition)."""
+  from pallas_kernels.fp4_matmul.tiling import tile_rows
+  text = jax.jit(lambda s: tile_rows(s, 512, 16)).lower(
+      jnp.zeros((128,), jnp.int32)).as_text()
+  assert "while" not in text and "stablehlo.case" not in text
+
+
 def test_grouped_errors():
   x, w, sizes = grouped_inputs(0, 8, 256, 128, [4, 4], MXFP4)
   with pytest.raises(ValueError, match=r"group_sizes \[2\]"):

@@ -3,7 +3,10 @@ the KL penalty's reference (the state pytree) and step, data position, tokenizer
 (JSON metadata).
 
 Orbax writes a checkpoint into a temporary directory and renames it when complete, so a run
-killed during a save leaves the checkpoints before it as they were.
+killed during a save leaves the checkpoints before it as they were. Under several processes
+(jax.distributed) every process calls save and restore, each writing and reading its own
+shards, into one directory they all see (a shared file system across hosts); a checkpoint
+restores into any number of processes and devices the state's shardings split over.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from trace_jax import distributed
 
 # TensorStore's status codes for a checkpoint's bytes cut short, missing or not decoding
 _DECODE_ERRORS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
@@ -135,7 +140,10 @@ class Checkpointer:
     new, n = self.path(step) + ".unreadable", 1
     while os.path.exists(new):
       new, n = f"{self.path(step)}.unreadable.{n}", n + 1
-    os.rename(self.path(step), new)
+    distributed.barrier(f"set aside checkpoint {step}")  # every process has read it
+    if distributed.is_primary():
+      os.rename(self.path(step), new)
+    distributed.barrier(f"checkpoint {step} set aside")
     self.manager.reload()
     return new
 

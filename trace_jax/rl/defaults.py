@@ -6,6 +6,7 @@ time; trace_jax.rl.validate checks the values before any work.
 
 import ml_collections
 
+from trace_jax import distributed
 from trace_jax.configs import apply_variant, set_key
 from trace_jax.rl.trainer import MODES
 
@@ -87,6 +88,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=2))
   # the first data x expert devices; data 0: every device that expert leaves
   c.mesh = ml_collections.ConfigDict(dict(data=0, expert=1))
+  # several processes (hosts, or GPUs of one) through jax.distributed: trace_jax.distributed
+  c.dist = distributed.config()
   return c
 
 

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from trace_jax.data.pipeline import left_pad
+from trace_jax.sharding import Layout
 from trace_jax.rl.rollout import RolloutBatch, RolloutEngine
 
 
@@ -23,34 +24,38 @@ def task_rewards(task, records, completions) -> np.ndarray:
 
 
 def rollout(engine: RolloutEngine, weights, task, records, tokenizer, prompt_width: int, key,
-            place=lambda x: x) -> tuple[RolloutBatch, np.ndarray]:
-  """Runs `records` through the engine -> (batch, reward per sequence)."""
-  tokens, lengths = left_pad([tokenizer.encode(task.prompt(r)) for r in records], prompt_width,
+            layout: Layout = Layout(None, {})) -> tuple[RolloutBatch, np.ndarray]:
+  """Runs `records` through the engine -> (batch, reward per sequence). Under several
+  processes each tokenizes and scores only its own rows of the batch (`layout.rows`), and every
+  process gets every reward."""
+  n = len(records)
+  mine = records[layout.rows(n)]
+  tokens, lengths = left_pad([tokenizer.encode(task.prompt(r)) for r in mine], prompt_width,
                              tokenizer.pad_id)
-  tokens, lengths = place(tokens), place(lengths)
+  tokens, lengths = layout.put((tokens, lengths), n)
   if task.max_turns == 1:
     batch = engine.generate(weights, tokens, lengths, key)
-    texts = [tokenizer.decode(row) for row in np.asarray(batch.tokens[:, prompt_width:])]
-    return batch, task_rewards(task, records, texts)
+    texts = [tokenizer.decode(row) for row in layout.local(batch.tokens)[:, prompt_width:]]
+    return batch, layout.gather(task_rewards(task, mine, texts), n)
 
   state = engine.start(weights, tokens, lengths, key, prompt_width + episode_length(task))
-  rewards = np.zeros(len(records), np.float32)
+  rewards = np.zeros(len(mine), np.float32)
   for turn in range(task.max_turns):
     first = int(state["t"])  # the answer's first token is sampled already
     state = engine.run(weights, state, first + task.answer_len - 1)
-    answers = np.asarray(state["tokens"][:, first:first + task.answer_len])
-    steps = [task.step(r, turn, tokenizer.decode(a)) for r, a in zip(records, answers)]
+    answers = layout.local(state["tokens"])[:, first:first + task.answer_len]
+    steps = [task.step(r, turn, tokenizer.decode(a)) for r, a in zip(mine, answers)]
     rewards += [s.reward for s in steps]
     if turn + 1 < task.max_turns:
       obs = [tokenizer.encode(s.observation) for s in steps]
       if any(len(o) != task.observation_len for o in obs):
         raise ValueError(f"{task.name}: observations must be {task.observation_len} tokens")
-      state = engine.extend(weights, state, place(np.asarray(obs, np.int32)))
-  return engine.finish(state, prompt_width), rewards / task.max_turns
+      state = engine.extend(weights, state, layout.put(np.asarray(obs, np.int32), n))
+  return engine.finish(state, prompt_width), layout.gather(rewards / task.max_turns, n)
 
 
 def greedy_accuracy(engine, weights, task, records, tokenizer, prompt_width, batch_size,
-                    place=lambda x: x) -> dict[str, float]:
+                    layout: Layout = Layout(None, {})) -> dict[str, float]:
   """Reward of greedy rollouts over `records` (in fixed-size batches: one compiled shape).
   eval/accuracy: the fraction solved (single-turn) or of turns answered right (multi-turn)."""
   scores = []
@@ -58,7 +63,7 @@ def greedy_accuracy(engine, weights, task, records, tokenizer, prompt_width, bat
     chunk = records[i:i + batch_size]
     padded = chunk + chunk[:1] * (batch_size - len(chunk))
     _, rewards = rollout(engine, weights, task, padded, tokenizer, prompt_width,
-                         jax.random.PRNGKey(0), place)
+                         jax.random.PRNGKey(0), layout)
     scores += list(rewards[:len(chunk)])
   scores = np.asarray(scores)
   solved = scores if task.max_turns > 1 else scores >= 1.0

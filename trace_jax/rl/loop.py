@@ -6,6 +6,12 @@ trace_jax.rl.hf_policy).
 Every step writes a row of DESIGN section 7 metrics; a step's data and sampling key are functions
 of the step number, so a resumed run continues exactly as an uninterrupted one. A SIGTERM or
 Ctrl-C stops the run between steps, with a checkpoint of the steps done.
+
+Under several processes (trace_jax.distributed) every process runs this same loop on its share
+of the devices: each loads and scores its own rows of every batch (`sharding.Layout`), all take
+part in every program, checkpoint save and restore, and process 0 alone writes metrics.jsonl,
+TensorBoard, the plots and the run's files. They agree on the step to resume from and, after
+every step, on whether a signal stops the run (a signal to any one of them stops all).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
+from trace_jax import distributed as D
 from trace_jax import sharding as S
 from trace_jax.configs import MOVED
 from trace_jax.data.pipeline import demonstration, record_batches, supervised_batch
@@ -36,9 +43,10 @@ from trace_jax.rl.plots import plot_run
 from trace_jax.rl.preemption import Interrupted, StopBetweenSteps
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
+from trace_jax.rl.summary import format_summary, postfix, summarize
 from trace_jax.rl.trainer import RLOptions, Trainer, make_optimizer, mode_setup
 from trace_jax.rl.validate import make_task, validate
-from trace_jax.rl.writer import MetricsWriter, read_metrics
+from trace_jax.rl.writer import MetricsWriter
 
 
 class Run:
@@ -49,7 +57,8 @@ class Run:
     """`model`: the policy's config as a checkpoint saved it (default: from the config)."""
     self.c, self.workdir, self.tok = c, workdir, tokenizer
     self.task = make_task(c.task)
-    self.sources = self.task.prepare(c.data_dir or None)
+    # once, then read: processes sharing a data_dir must not prepare it at the same time
+    self.sources = D.primary_first(lambda: self.task.prepare(c.data_dir or None), "data")
     if c.model.chat_template:
       self.task = hf_policy.ChatPrompts(self.task, tokenizer)
     self.cfg = model or hf_policy.model_config(c, tokenizer)
@@ -82,6 +91,8 @@ class Run:
         recompute, self.cfg, recipe=self.setup.train, temperature=c.rl.temperature,
         collect_codes=True, code_recipe=self.setup.rollout))
     self.mesh = S.make_mesh(c.mesh.data or None, c.mesh.expert)
+    self.rollout_layout = S.Layout(self.mesh, S.ROLLOUT_RULES)
+    self.train_layout = S.Layout(self.mesh, S.TRAIN_RULES)
     self.sft_batches = record_batches(self.sources["train"], c.sft.batch_size, c.seed)
     self.rl_batches = record_batches(self.sources["train"], c.rl.prompts_per_step, c.seed + 1)
     n_eval = min(c.eval.size, len(self.sources["eval"]))
@@ -102,9 +113,6 @@ class Run:
   def rollout_weights(self, params):
     weights = self.sync(params)
     return S.place(weights, S.param_shardings(weights, self.mesh, S.ROLLOUT_RULES))
-
-  def place_rollout(self, x):
-    return S.place(x, S.batch_shardings(x, self.mesh, S.ROLLOUT_RULES))
 
   def initial_state(self, reference: bool = False, *, random: bool = False) -> dict:
     """The state before step 0 (the checkpoint's weights with model.hf_path, unless `random`);
@@ -134,10 +142,11 @@ class Run:
 
   def sft_step(self, state, step):
     records = self.sft_batches[step]
-    batch = supervised_batch(self.tok, [self.task.prompt(r) for r in records],
-                             [demonstration(self.task, r) for r in records],
+    mine = records[self.train_layout.rows(len(records))]  # this process's rows
+    batch = supervised_batch(self.tok, [self.task.prompt(r) for r in mine],
+                             [demonstration(self.task, r) for r in mine],
                              self.c.max_prompt_len, self.new_tokens)
-    state, metrics = self.trainer.sft_step(state, self.place_batch(batch, S.TRAIN_RULES))
+    state, metrics = self.trainer.sft_step(state, self.train_layout.put(batch, len(records)))
     return state, {k: float(v) for k, v in metrics.items()}
 
   def rl_step(self, state, step):
@@ -152,7 +161,7 @@ class Run:
     start = time.perf_counter()
     batch, rewards = rollout(engine, self.rollout_weights(state["params"]), self.task, records,
                              self.tok, c.max_prompt_len, jax.random.fold_in(state["key"], step),
-                             self.place_rollout)
+                             self.rollout_layout)
     jax.block_until_ready(batch.tokens)
     rollout_s = time.perf_counter() - start
     predicts = batch.response_mask[:, 1:]
@@ -192,7 +201,7 @@ class Run:
     """Greedy accuracy of the policy as the rollout engine runs it (FP4 in the FP4 modes)."""
     return greedy_accuracy(self.eval_engine, self.rollout_weights(params), self.task,
                            self.eval_records, self.tok, self.c.max_prompt_len,
-                           self.c.eval.batch_size, self.place_rollout)
+                           self.c.eval.batch_size, self.rollout_layout)
 
 
 def _config_json(c) -> dict:
@@ -291,18 +300,26 @@ def load_run(workdir: str, data_dir: str | None = None):
 
 def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
           log=print) -> dict:
-  """Runs (or resumes) the whole run; returns the summary it prints."""
+  """Runs (or resumes) the whole run; returns the summary it prints (process 0; the others of
+  several print nothing and return {})."""
   validate(c)
+  primary = D.is_primary()
+  log = log if primary else (lambda *_: None)
   os.makedirs(workdir, exist_ok=True)
   ckpt = Checkpointer(workdir, c.checkpoint.keep)
+  # processes that see other files (a workdir not shared between hosts) would restore
+  # different checkpoints, and then wait for each other
+  D.agree(ckpt.latest_step() or 0, f"the newest checkpoint in {ckpt.directory}")
   run, state, start = _open(c, workdir, ckpt, log, set_aside=True)
+  start = D.agree(start, "the checkpoint step to resume from")
   if start:
     log(f"resumed from step {start} in {ckpt.directory}")
   tokenizer = run.tok
-  tokenizer.save(workdir)
-  with open(os.path.join(workdir, "config.json"), "w") as fh:
-    json.dump(_config_json(c), fh, indent=2)
-  writer = MetricsWriter(workdir, start, tensorboard=c.log.tensorboard)
+  if primary:
+    tokenizer.save(workdir)
+    with open(os.path.join(workdir, "config.json"), "w") as fh:
+      json.dump(_config_json(c), fh, indent=2)
+  writer = MetricsWriter(workdir, start, tensorboard=c.log.tensorboard, write_files=primary)
   total = c.sft.steps + c.rl.steps
 
   def save(done):
@@ -311,9 +328,9 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
     writer.sync()
     ckpt.save(done, state, meta)
 
-  bar = tqdm(range(start, total), initial=start, total=total, disable=not progress,
+  bar = tqdm(range(start, total), initial=start, total=total, disable=not (progress and primary),
              desc=f"{c.rl.mode}", dynamic_ncols=True)
-  done = start  # steps completed: updated, evaluated, checked, logged
+  done, signum = start, None  # steps completed: updated, evaluated, checked, logged
   try:
     with StopBetweenSteps() as stop:
       for step in bar:
@@ -330,15 +347,16 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
               f"{ckpt.directory}; lower the learning rate or optim.max_grad_norm before resuming.")
         writer.write(step, metrics)
         done = step + 1
-        bar.set_postfix(_postfix(metrics), refresh=False)
+        bar.set_postfix(postfix(metrics), refresh=False)
         if done % c.checkpoint.every == 0 or done == total:
           save(done)
-        if stop.signum is not None:
+        signum = D.first_signal(stop.signum)  # a signal to any process stops every one
+        if signum is not None:
           break
-      if stop.signum is not None and done < total:
+      if signum is not None and done < total:
         if done != ckpt.latest_step():
           save(done)
-        raise Interrupted(stop.signum)
+        raise Interrupted(signum)
   except Interrupted as e:
     newest = ckpt.latest_step()
     log(f"interrupted by {e}{' twice: stopped at once' if e.at_once else ''}: "
@@ -349,18 +367,14 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
     bar.close()
     writer.close()
     ckpt.close()
+  if not primary:
+    return {}
   summary = summarize(workdir, c)
   plot_run(workdir, title=f"{c.rl.mode} ({make_task(c.task).name})")
   log(format_summary(summary))
   log(f"metrics: {os.path.join(workdir, 'metrics.jsonl')}, curves: "
       f"{os.path.join(workdir, 'curves.png')}, tensorboard: {os.path.join(workdir, 'tensorboard')}")
   return summary
-
-
-def _postfix(m: dict) -> dict:
-  keys = {"reward/mean": "reward", "train/loss": "loss", "mismatch/kl_k3": "kl",
-          "eval/accuracy": "eval"}
-  return {short: f"{m[k]:.3g}" for k, short in keys.items() if k in m}
 
 
 def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
@@ -370,45 +384,10 @@ def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
       out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
   a, b = flat(saved), flat(now)
-  # data_dir says where the prepared data lives, not what the run does
-  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k != "data_dir")
+  # data_dir says where the prepared data lives and dist how the run is launched (a run
+  # resumes on another number of processes), not what the run does
+  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k != "data_dir"
+                and not k.startswith("dist."))
   if diff:
     raise checkpoint.CannotResume(f"{workdir} holds a run with a different config (keys "
                                   f"{diff}); resume with the same config or use a new --workdir")
-
-
-def summarize(workdir: str, c) -> dict:
-  rows = read_metrics(workdir)
-  rl = [r for r in rows if r.get("phase") == "rl"]
-  evals = [r for r in rows if r.get("eval/accuracy") is not None]
-  mean = lambda rs, k: float(np.mean([r[k] for r in rs if r.get(k) is not None])) if any(
-      r.get(k) is not None for r in rs) else None
-  n = max(1, min(10, len(rl) // 4))
-  before = next((r for r in evals if r["step"] == c.sft.steps - 1), evals[0] if evals else {})
-  return {
-      "mode": c.rl.mode, "steps": len(rows),
-      "reward_first": mean(rl[:n], "reward/mean"), "reward_last": mean(rl[-n:], "reward/mean"),
-      "eval_accuracy_before_rl": before.get("eval/accuracy"),
-      "eval_accuracy_after": evals[-1]["eval/accuracy"] if evals else None,
-      "mismatch_kl_k3": mean(rl, "mismatch/kl_k3"),
-      "flip_rate": mean(rl, "mismatch/flip_rate"),
-      "route_flip_rate": mean(rl, "mismatch/route_flip_rate"),
-      "rollout_tokens_per_s": mean(rl, "rollout/tokens_per_s"),
-      "record_bytes_per_token": mean(rl, "record/bytes_per_token"),
-  }
-
-
-def format_summary(s: dict) -> str:
-  f = lambda v, fmt: "n/a" if v is None else fmt.format(v)
-  return "\n".join([
-      f"summary ({s['mode']}, {s['steps']} steps)",
-      f"  reward (train, first -> last RL steps): {f(s['reward_first'], '{:.3f}')} -> "
-      f"{f(s['reward_last'], '{:.3f}')}",
-      f"  eval accuracy (rollout precision, greedy): {f(s['eval_accuracy_before_rl'], '{:.3f}')}"
-      f" after the warm start -> {f(s['eval_accuracy_after'], '{:.3f}')}",
-      f"  mismatch KL (k3, mean over RL steps): {f(s['mismatch_kl_k3'], '{:.2e}')} (float32 "
-      f"resolves {M.KL_RESOLUTION:.0e}: one ulp of dlogp at logp = -1)",
-      f"  flip rate (mean of diagnostic steps): {f(s['flip_rate'], '{:.4f}')}",
-      f"  rollout tokens/s: {f(s['rollout_tokens_per_s'], '{:.0f}')}   "
-      f"record bytes/token: {f(s['record_bytes_per_token'], '{:.0f}')}",
-  ])

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax import sharding as S
 from trace_jax.models import layers as L
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.recipe import QuantRecipe
@@ -33,7 +34,7 @@ def logp_mismatch(logp_rollout_BxL, logp_train_BxL, mask_BxL, *, prompt_width: i
   over the masked (response) tokens. Both log-probs are of the full temperature-scaled
   distribution (`rollout.SamplingConfig`): under top_p < 1 these measure how far the two paths'
   policies are apart, not how far the trainer is from the nucleus that was sampled."""
-  arrays = jax.device_get(_logp_mismatch_jit(logp_rollout_BxL, logp_train_BxL, mask_BxL))
+  arrays = S.fetch(_logp_mismatch_jit(logp_rollout_BxL, logp_train_BxL, mask_BxL))
   return logp_mismatch_summary(arrays, mask_BxL, prompt_width=prompt_width, n_buckets=n_buckets)
 
 
@@ -56,11 +57,12 @@ _logp_mismatch_jit = jax.jit(logp_mismatch_arrays)
 
 def logp_mismatch_summary(arrays: dict, mask_BxL, *, prompt_width: int | None = None,
                           n_buckets: int = 8) -> dict[str, float | list]:
-  """`logp_mismatch` from the host copy of `logp_mismatch_arrays`."""
+  """`logp_mismatch` from the host copy of `logp_mismatch_arrays` (`S.fetch`: whole on every
+  process)."""
   out = {k: float(arrays[k]) for k in LOGP_KEYS}  # a dict through jit comes back sorted
   if prompt_width is not None:
-    out["mismatch/kl_k3_by_position"] = kl_by_position(arrays["k3_BxL"], mask_BxL, prompt_width,
-                                                       n_buckets)
+    out["mismatch/kl_k3_by_position"] = kl_by_position(arrays["k3_BxL"], S.fetch(mask_BxL),
+                                                       prompt_width, n_buckets)
   return out
 
 
@@ -96,7 +98,7 @@ def flip_rates(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes
   buckets of the response position each position predicts.
   """
   _check_routes(codes_rollout, routes_rollout, routes_train)
-  counts = jax.device_get(_flip_counts_jit(cfg, recipe, codes_rollout, codes_train, mask_BxT,
+  counts = S.fetch(_flip_counts_jit(cfg, recipe, codes_rollout, codes_train, mask_BxT,
                                            routes_rollout, routes_train))
   return flip_rates_summary(counts, codes_rollout, mask_BxT, prompt_width=prompt_width,
                             n_buckets=n_buckets)
@@ -160,8 +162,8 @@ def flip_rates_summary(counts: dict, codes_rollout: dict, mask_BxT, *,
   if prompt_width is not None:  # position t predicts token t + 1: shift onto token positions
     shift = lambda a: np.pad(np.asarray(a), ((0, 0), (1, 0)))
     out["mismatch/flip_rate_by_position"] = by_position(
-        shift(counts["flips_BxT"]), shift(counts["elems_BxT"]), shift(mask_BxT), prompt_width,
-        n_buckets)
+        shift(counts["flips_BxT"]), shift(counts["elems_BxT"]), shift(S.fetch(mask_BxT)),
+        prompt_width, n_buckets)
   return out
 
 

@@ -8,6 +8,7 @@ import jax
 import ml_collections
 
 from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
+from trace_jax import distributed
 from trace_jax.models.recipe import QuantRecipe, parse_layers, precisions
 from trace_jax.rl import hf_policy
 from trace_jax.rl.grpo import CORRECTIONS
@@ -56,6 +57,7 @@ def _check_mesh(c, n_devices: int) -> None:
   if expert < 1 or data < 1 or data * expert > n_devices:
     raise ValueError(f"mesh.data={c.mesh.data} x mesh.expert={expert} needs more than the "
                      f"{n_devices} devices there are")
+  check_mesh_spans_processes(data, expert, n_devices)
   rl_batch = c.rl.prompts_per_step * c.rl.group_size
   for name, size in [("sft.batch_size", c.sft.batch_size), ("eval.batch_size", c.eval.batch_size),
                      ("rl.prompts_per_step x rl.group_size / rl.minibatches",
@@ -64,8 +66,19 @@ def _check_mesh(c, n_devices: int) -> None:
       raise ValueError(f"{name} = {size} does not split over {data * expert} devices")
 
 
+def check_mesh_spans_processes(data: int, expert: int, n_devices: int) -> None:
+  """Under several processes every one must hold part of the mesh (each runs every program on
+  its own devices), so the mesh takes every device."""
+  if jax.process_count() > 1 and data * expert != n_devices:
+    raise ValueError(f"mesh.data={data} x mesh.expert={expert} = {data * expert} devices, but "
+                     f"under jax.distributed the mesh takes every one of the {n_devices} "
+                     f"devices of the {jax.process_count()} processes (mesh.data=0: all that "
+                     "mesh.expert leaves)")
+
+
 def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None:
   """Raises ValueError naming the first bad key (unknown keys fail earlier, in set_key)."""
+  distributed.check(c.dist)
   _choice("rl.mode", c.rl.mode, MODES)
   _choice("rl.fp4", c.rl.fp4, [p for p in precisions() if p != "bf16"])
   _choice("rl.correction", c.rl.correction, CORRECTIONS)

@@ -37,10 +37,15 @@ def _rows(path: str, text: str) -> list[tuple[str, dict]]:
 class MetricsWriter:
   """Appends one JSON object per step. Started at `start_step`, it first drops lines of later
   steps (written after the checkpoint the run resumes from), so the file reads as if the run
-  had never stopped."""
+  had never stopped. With `write_files=False` (every process of several but the first) it
+  writes nothing."""
 
-  def __init__(self, workdir: str, start_step: int = 0, tensorboard: bool = True):
+  def __init__(self, workdir: str, start_step: int = 0, tensorboard: bool = True,
+               write_files: bool = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self._fh = self._tb = None
+    if not write_files:
+      return
     if os.path.exists(self.path):
       with open(self.path) as fh:
         old = fh.read()
@@ -53,13 +58,14 @@ class MetricsWriter:
           os.fsync(fh.fileno())
         os.replace(tmp, self.path)
     self._fh = open(self.path, "a")
-    self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=start_step)
 
   def write(self, step: int, metrics: dict) -> dict:
     row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+    if self._fh is None:
+      return row
     self._fh.write(json.dumps(row) + "\n")
     self._fh.flush()
     if self._tb is not None:
@@ -71,11 +77,14 @@ class MetricsWriter:
   def sync(self) -> None:
     """To disk: called before a checkpoint is saved, so no checkpoint counts a row the disk
     has not got, even if the machine goes down."""
+    if self._fh is None:
+      return
     self._fh.flush()
     os.fsync(self._fh.fileno())
 
   def close(self) -> None:
-    self._fh.close()
+    if self._fh is not None:
+      self._fh.close()
     if self._tb is not None:
       self._tb.close()
 

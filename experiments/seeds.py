@@ -1,0 +1,67 @@
+"""Across seeds: mean and 95% confidence interval of a run's numbers, and collapsed runs.
+
+The interval is Student's t over the seeds (n - 1 degrees of freedom; scipy, which jax itself
+depends on, gives the quantile): with 3 seeds the half-width is 2.48 standard deviations, so
+a difference between modes inside it is not one the data resolves. A run has collapsed when
+its greedy eval accuracy after RL is below half its accuracy after the warm start (RL undid
+what SFT taught), or it has none (it stopped on a non-finite loss).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats
+
+FIELDS = ("eval_accuracy_after", "reward_last", "mismatch_kl_k3", "flip_rate")
+
+
+def interval(values) -> dict:
+  """{"n", "mean", "ci95"}: the half-width of the 95% interval (None below 2 values; values
+  that are None are left out)."""
+  v = np.asarray([x for x in values if x is not None], np.float64)
+  if v.size == 0:
+    return {"n": 0, "mean": None, "ci95": None}
+  half = None
+  if v.size > 1:
+    half = float(stats.t.ppf(0.975, v.size - 1) * v.std(ddof=1) / math.sqrt(v.size))
+  return {"n": int(v.size), "mean": float(v.mean()), "ci95": half}
+
+
+def collapsed(run: dict) -> bool:
+  after, before = run.get("eval_accuracy_after"), run.get("eval_accuracy_before_rl")
+  return after is None or (before is not None and after < 0.5 * before)
+
+
+def by_mode(runs: dict) -> dict:
+  """summary[family]["runs"] ({"mode/seedS": run}) -> per mode: seeds, collapsed runs, and the
+  interval of each of FIELDS."""
+  modes: dict[str, list[dict]] = {}
+  for key, run in runs.items():
+    modes.setdefault(key.split("/")[0], []).append(run)
+  return {mode: {"seeds": len(rs), "collapsed": sum(map(collapsed, rs)),
+                 **{f: interval(r.get(f) for r in rs) for f in FIELDS}}
+          for mode, rs in modes.items()}
+
+
+def markdown(summary: dict, families) -> str:
+  """One row per family and mode with more than one seed: mean +- 95% half-width."""
+  def cell(s, spec):
+    if s["mean"] is None:
+      return "-"
+    return spec.format(s["mean"]) + ("" if s["ci95"] is None else " ± " + spec.format(s["ci95"]))
+
+  lines = ["| family | mode | seeds | collapsed | eval acc. after RL | reward, last RL steps | "
+           "mismatch KL | flip rate |", "|---|---|---|---|---|---|---|---|"]
+  rows = 0
+  for family in families:
+    for mode, s in by_mode(summary[family]["runs"]).items():
+      if s["seeds"] < 2:
+        continue
+      rows += 1
+      lines.append(f"| {family} | {mode} | {s['seeds']} | {s['collapsed']} | "
+                   f"{cell(s['eval_accuracy_after'], '{:.3f}')} | "
+                   f"{cell(s['reward_last'], '{:.3f}')} | {cell(s['mismatch_kl_k3'], '{:.1e}')} | "
+                   f"{cell(s['flip_rate'], '{:.4f}')} |")
+  return "\n".join(lines) if rows else ""
