@@ -170,21 +170,24 @@ def test_a_checkpoint_of_another_layout_is_refused_by_name_not_set_aside(data_di
   assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
 
 
+def layers_as(tree, regroup):
+  """`tree` (a state: params, optimizer moments, reference) with every model's `layers` list
+  replaced by `regroup(layers)`."""
+  if isinstance(tree, dict):
+    return {k: (regroup(v) if k == "layers" else layers_as(v, regroup)) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+    return type(tree)(layers_as(v, regroup) for v in tree)
+  if hasattr(tree, "_fields"):  # optax's named tuples
+    return type(tree)(*(layers_as(v, regroup) for v in tree))
+  return tree
+
+
 def test_a_checkpoint_of_layers_grouped_otherwise_restores_regrouped(data_dir, tmp_path):
   """Params, optimizer moments and reference saved one array per layer (as written before
   layers were stacked) or in other stacks restore into this run's stacks, the same values."""
   c, workdir = config(data_dir), str(tmp_path)
   run = Run(c, workdir, CharTokenizer(make_task(c.task).alphabet()))
   state = run.initial_state(reference=True)
-
-  def layers_as(tree, regroup):
-    if isinstance(tree, dict):
-      return {k: (regroup(v) if k == "layers" else layers_as(v, regroup)) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
-      return type(tree)(layers_as(v, regroup) for v in tree)
-    if hasattr(tree, "_fields"):  # optax's named tuples
-      return type(tree)(*(layers_as(v, regroup) for v in tree))
-    return tree
 
   ckpt = Checkpointer(workdir)
   ckpt.save(1, layers_as(state, stacks.unstack), {"step": 1})

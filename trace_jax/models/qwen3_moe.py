@@ -1,10 +1,11 @@
 """The Qwen3-MoE decoder, written once for the rollout engine and the trainer.
 
 How each quantization site, projection and attention is computed is the job of the `path`
-argument (`trace_jax.models.paths`): the trainer's path fake-quantizes master params and guides
-activations by records; the rollout's path multiplies packed FP4 weights and attends over a
-packed KV cache. This file only says what is computed, in which order; `forward` runs the
-layers the path computes alike as one `lax.scan` over their stacked params (`models.stacks`).
+argument: the trainer's path (`trace_jax.models.paths`) fake-quantizes master params and guides
+activations by records; the rollout's (`trace_jax.models.rollout_path`) multiplies packed FP4
+weights and attends over a packed KV cache. This file only says what is computed, in which
+order; `forward` runs the layers the path computes alike as one `lax.scan` over their stacked
+params (`models.stacks`).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ consecutive layers (the same dict, every array with a leading layer axis). A `la
 one stack in place; stacking or slicing arrays inside a jitted program copies them (for a
 large model, a second copy of its weights). So master params are stored as stacks, one per
 group of layers the trainer's program treats alike (`init_params(groups=...)`), and a run that
-a stack covers exactly is scanned over it as it is; the rollout's weights are one item per
-layer (what the unrolled decode step reads), and its scans index them without copying
-(`take`).
+a stack covers exactly is scanned over it as it is. The rollout's weights are one item per
+layer (what the unrolled decode step reads) or stacks (`pack_weights(stacked=True)`, for the
+scanned decode step); its scans read one layer at a time, in place where one stack holds the
+run (`take_traced`).
 """
 
 from __future__ import annotations

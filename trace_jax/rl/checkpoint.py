@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from trace_jax import distributed
+from trace_jax import sharding as S
 
 # TensorStore's status codes for a checkpoint's bytes cut short, missing or not decoding
 _DECODE_ERRORS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
@@ -184,8 +185,8 @@ class Checkpointer:
 
   def restore(self, step: int, like) -> tuple[dict, dict]:
     """State shaped (and placed) like `like`, and the metadata; LayoutMismatch where the
-    checkpoint holds other arrays. Layers saved in another grouping are regrouped (read onto
-    one device, then placed as `like` is)."""
+    checkpoint holds other arrays. Layers saved in another grouping are regrouped (read whole
+    onto one of each process's devices, then placed as `like` is)."""
     if self.check_layout(step, like):
       return self._restore_regrouped(step, like)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
@@ -194,7 +195,8 @@ class Checkpointer:
     return out.state, out.meta
 
   def _restore_regrouped(self, step: int, like) -> tuple[dict, dict]:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # a device of this process: under several processes jax.devices()[0] is process 0's
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
                             self._saved_tree(step))
     out = self.manager.restore(step, args=ocp.args.Composite(
@@ -206,12 +208,14 @@ class Checkpointer:
       parts.setdefault(name, []).append((j, saved[src] if k is None else saved[src][k]))
     leaves, treedef = jax.tree.flatten(like)
     built = []
-    for leaf, name in zip(leaves, _named(like)):
+    for name in _named(like):
       (j, value), *_ = parts[name]
       if j is not None:
         value = jnp.stack([v for _, v in sorted(parts[name], key=lambda p: p[0])])
-      built.append(jax.device_put(value, leaf.sharding))
-    return jax.tree.unflatten(treedef, built), out.meta
+      built.append(value)
+    # S.place: each process puts its own devices' slices of the whole array it holds
+    return S.place(jax.tree.unflatten(treedef, built),
+                   jax.tree.unflatten(treedef, [leaf.sharding for leaf in leaves])), out.meta
 
   def close(self) -> None:
     self.manager.close()
