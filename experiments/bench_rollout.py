@@ -49,7 +49,7 @@ from pallas_kernels.timing import copy_bandwidth, kernel_times, wall_seconds  # 
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
 from pallas_kernels.dispatch import ATTENTION_KERNELS, make_ops  # noqa: E402
-from trace_jax.models.paths import new_kv_cache  # noqa: E402
+from trace_jax.models.rollout_path import new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
 

@@ -114,9 +114,29 @@ def test_rl_in_two_processes_runs_stops_and_resumes_as_one(tmp_path):
   assert "resumed from step 2" in out[0]
   assert comparable(read_metrics(str(one_to_two))) == want
 
-  # ... and one of two in one (here, plainly: no jax.distributed), holding what one wrote
+  # ... also one whose layers were saved one array per layer (as before they were stacked),
+  # regrouped as each process restores it
+  from tests.rl.test_loop import layers_as
+  from trace_jax.models import stacks
+  from trace_jax.rl.checkpoint import Checkpointer
   from trace_jax.rl.loop import load_run
 
+  per_layer = tmp_path / "per_layer"
+  shutil.copytree(ref, per_layer)
+  drop_checkpoints_after(per_layer, 2)
+  run, state, step = load_run(str(per_layer), data_dir=str(data))
+  ckpt = Checkpointer(str(per_layer))
+  meta = ckpt.meta(step)
+  shutil.rmtree(ckpt.path(step))
+  ckpt.manager.reload()
+  ckpt.save(step, layers_as(state, stacks.unstack), meta)
+  assert ckpt.check_layout(step, run.abstract_state(run.has_reference(step)))  # to regroup
+  ckpt.close()
+  out = mp.run(main_args(per_layer, data))
+  assert "resumed from step 2" in out[0]
+  assert comparable(read_metrics(str(per_layer))) == want
+
+  # ... and one of two in one (here, plainly: no jax.distributed), holding what one wrote
   _, state_two, step_two = load_run(str(two), data_dir=str(data))
   _, state_ref, step_ref = load_run(str(ref), data_dir=str(data))
   assert step_two == step_ref == 4

@@ -1,5 +1,5 @@
 """The ablation script end to end in its smoke setting, the notebook that reads it, and the
-rollout benchmark on CPU (its kernels interpreted)."""
+rollout benchmark on CPU (its kernels interpreted), the compile-time benchmark."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from experiments import ablation, bench_rollout, figures
+from experiments import ablation, bench_compile, bench_rollout, figures
 from tests.test_results import NOTEBOOK, assert_summary_matches_curves, execute_notebook
 
 pytestmark = pytest.mark.slow  # minutes: short RL runs, a probe, an interpreted benchmark
@@ -63,3 +63,17 @@ def test_bench_rollout_runs_its_variants():
   assert not longer["errors"] and longer["slots"] == 256
   kv, kv_full = (r["rows"][0]["bytes_per_step"]["kv_cache"] for r in (longer, result))
   assert kv == int(kv_full * 256 / 128 * (112 + 8) / 256)
+
+
+def test_bench_compile_times_each_program_and_compares_two_runs(tmp_path, capsys):
+  bench_compile.main(["--layers=1,3", "--d_model=32", f"--out={tmp_path / 'a.json'}"])
+  rows = json.load(open(tmp_path / "a.json"))["rows"]
+  assert [r["layers"] for r in rows] == [1, 3]
+  assert all(r[k] > 0 for r in rows for k, _ in bench_compile.COLUMNS)
+  older = {"rows": [{k: v for k, v in r.items() if k in ("layers", "train_s")} for r in rows]}
+  json.dump(older, open(tmp_path / "b.json", "w"))
+  capsys.readouterr()
+  bench_compile.main(["--compare", str(tmp_path / "b.json"), str(tmp_path / "a.json")])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("| layers | GRPO step (before) | GRPO step (after) |")
+  assert len(lines) == 4 and lines[2].startswith("| 1 | ")

@@ -59,21 +59,40 @@ def _path_names(path) -> list[str]:
   return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
-def param_logical_axes(path, leaf) -> tuple[str | None, ...]:
+def _stacked_items(tree) -> set[tuple[str, ...]]:
+  """Paths of the layers items that are stacks (`models.stacks`: their norm has a leading
+  layer axis), wherever in the tree they are (params, optimizer moments, rollout weights)."""
+  out = set()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = _path_names(path)
+    if names[-1:] == ["attn_norm"] and len(names) >= 3 and names[-3] == "layers" and (
+        len(leaf.shape) == 2):
+      out.add(tuple(names[:-1]))
+  return out
+
+
+def param_logical_axes(path, leaf, stacked: bool = False) -> tuple[str | None, ...]:
   """Logical axes of a param or rollout-weight leaf: expert stacks lead with `experts`, and so
-  does every array of a packed expert stack (codes, scales, globals; in any layout)."""
+  does every array of a packed expert stack (codes, scales, globals; in any layout); `stacked`:
+  the leaf has a leading `layers` axis before those (a stack of layers)."""
   names = _path_names(path)
-  if any(n in _EXPERT_WEIGHTS for n in names) and leaf.ndim >= 1:
-    return ("experts",) + (None,) * (leaf.ndim - 1)
-  return (None,) * leaf.ndim
+  lead = ("layers",) if stacked else ()
+  rest = leaf.ndim - len(lead)
+  if any(n in _EXPERT_WEIGHTS for n in names) and rest >= 1:
+    return lead + ("experts",) + (None,) * (rest - 1)
+  return lead + (None,) * rest
 
 
 def param_shardings(tree, mesh: Mesh, rules: Rules):
+  stacked = _stacked_items(tree)
+
   def one(path, leaf):
-    logical = param_logical_axes(path, leaf)
+    names = _path_names(path)
+    logical = param_logical_axes(path, leaf, any(tuple(names[:len(p)]) == p for p in stacked))
     axis = rules.get("experts")
-    if logical[:1] == ("experts",) and leaf.shape[0] % _axis_size(mesh, axis):
-      raise ValueError(f"{'/'.join(_path_names(path))}: {leaf.shape[0]} experts do not split "
+    e = logical.index("experts") if "experts" in logical else None
+    if e is not None and leaf.shape[e] % _axis_size(mesh, axis):
+      raise ValueError(f"{'/'.join(names)}: {leaf.shape[e]} experts do not split "
                        f"over mesh axis {axis!r} of size {_axis_size(mesh, axis)}")
     return NamedSharding(mesh, spec(logical, rules))
   return jax.tree_util.tree_map_with_path(one, tree)

@@ -36,6 +36,7 @@ def expected(model, cfg) -> dict:
         "w_gate": gate_up[:, :f].transpose(0, 2, 1), "w_up": gate_up[:, f:].transpose(0, 2, 1),
         "w_down": sd[f"{pre}.mlp.experts.down_proj"].transpose(0, 2, 1),
     })
+  layers = [jax.tree.map(lambda *a: np.stack(a), *layers)]  # one stack, as init_params's
   return {"embed": sd["model.embed_tokens.weight"], "layers": layers,
           "final_norm": sd["model.norm.weight"], "lm_head": sd["lm_head.weight"].T}
 
@@ -49,14 +50,16 @@ def assert_same(got, want):
 
 def split_everything(abstract, mesh):
   """Expert stacks over `expert` (the training rule) and their d_model over `data`; every
-  matrix split along both axes, vectors along theirs: each device reads a strided slice."""
+  matrix split along both axes, vectors along theirs (the layers' after their leading layer
+  axis): each device reads a strided slice."""
   train = S.param_shardings(abstract, mesh, S.TRAIN_RULES)
 
-  def one(leaf, rule):
-    if len(rule.spec) and rule.spec[0] == "expert":
-      return NamedSharding(mesh, P("expert", "data", None))
-    return NamedSharding(mesh, P(*("data", "expert")[:leaf.ndim]))
-  return jax.tree.map(one, abstract, train)
+  def one(path, leaf, rule):
+    if "expert" in rule.spec:
+      return NamedSharding(mesh, P(None, "expert", "data", None))
+    lead = (None,) if "layers" in jax.tree_util.keystr(path) else ()
+    return NamedSharding(mesh, P(*lead, *("data", "expert")[:leaf.ndim - len(lead)]))
+  return jax.tree_util.tree_map_with_path(one, abstract, train)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake CPU) devices")
@@ -79,14 +82,15 @@ def test_streamed_params_are_the_checkpoints_in_any_sharding(tmp_path, fused, ol
   assert_same(placed, want)
   for a, sh in zip(jax.tree.leaves(placed), jax.tree.leaves(shardings)):
     assert a.sharding == sh
-  w_gate = placed["layers"][1]["w_gate"]  # [6, 64, 48]: 3 experts x 16 rows per device
-  assert {s.data.shape for s in w_gate.addressable_shards} == {(3, 16, 48)}
+  w_gate = placed["layers"][0]["w_gate"]  # [2, 6, 64, 48]: 3 experts x 16 rows per device
+  assert {s.data.shape for s in w_gate.addressable_shards} == {(2, 3, 16, 48)}
 
   _, half = load_hf(path, param_dtype="bfloat16",
                     shardings=lambda name: NamedSharding(
-                        mesh, P("expert") if name.endswith(("w_gate", "w_up", "w_down")) else P()))
+                        mesh, P(None, "expert") if name.endswith(("w_gate", "w_up", "w_down"))
+                        else P()))
   assert_same(half, jax.tree.map(lambda a: a.astype(ml_dtypes.bfloat16), want))
-  assert half["layers"][0]["w_down"].sharding.spec == P("expert")
+  assert half["layers"][0]["w_down"].sharding.spec == P(None, "expert")
 
 
 def test_bad_files_and_shardings_fail_by_name(tmp_path):

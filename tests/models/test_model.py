@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from trace_jax import quant
+from trace_jax.models import stacks
 from trace_jax.models import (QuantRecipe, TrainPath, init_params, logits, pack_weights,
                               parse_layers, preset, qwen3_30b_a3b, small, tiny)
-from trace_jax.models.paths import unpack
+from trace_jax.models.rollout_path import unpack
 from trace_jax.models.recipe import WEIGHT_AXES
 
 
@@ -34,7 +35,7 @@ def test_packed_weights_dequantize_to_the_trainers_fake_quant_weights(precision)
     for name in WEIGHT_AXES:
       rollout_w = packed.layers[i][name]
       assert isinstance(rollout_w, quant.QArray) == (i != 1)
-      want = np.asarray(path.weight(params["layers"][i][name], i, name))
+      want = np.asarray(path.weight(stacks.take(params["layers"], i)[name], i, name))
       got = np.asarray(unpack(rollout_w).astype(jnp.float32))
       if i == 1:  # unquantized layer: the bf16 weight, the trainer's float32 master
         np.testing.assert_array_equal(got, np.asarray(want.astype(jnp.bfloat16), np.float32))

@@ -7,6 +7,7 @@ import pytest
 
 from tests.rl.test_rollout import rollout, train
 from trace_jax.models import layers as L
+from trace_jax.models import stacks
 from trace_jax.rl import metrics as M
 from trace_jax.rl.trainer import RLOptions, Trainer, make_optimizer, mode_setup
 
@@ -15,11 +16,11 @@ def _drift_last_router(params, eps=0.02):
   """The rollout's params with the last layer's router nudged: a trainer whose top-k differs
   from the rollout's for some tokens (the random init's router is close to uniform), with every
   value before that layer's experts the same."""
-  layers = list(params["layers"])
+  layers = stacks.unstack(params["layers"])
   last = dict(layers[-1])
   last["router"] = last["router"] + eps * jax.random.normal(jax.random.PRNGKey(3),
                                                             last["router"].shape)
-  return {**params, "layers": layers[:-1] + [last]}
+  return {**params, "layers": stacks.stack(layers[:-1] + [last])}
 
 
 @pytest.mark.parametrize("precision", ["mxfp4", pytest.param("nvfp4", marks=pytest.mark.slow)])

@@ -98,8 +98,9 @@ def test_the_weights_load_straight_into_the_training_sharding(hf_dir, data_dir, 
   params = state["params"]
   want = S.param_shardings(params, run.mesh, S.TRAIN_RULES)
   assert all(a.sharding == sh for a, sh in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
-  assert params["layers"][0]["w_gate"].sharding.spec == P("expert", None, None)
-  assert {s.data.shape for s in params["layers"][0]["w_gate"].addressable_shards} == {(3, 64, 64)}
+  w_gate = params["layers"][0]["w_gate"]  # [layers, experts, D, F], experts over `expert`
+  assert w_gate.sharding.spec == P(None, "expert", None, None)
+  assert {s.data.shape[1:] for s in w_gate.addressable_shards} == {(3, 64, 64)}
   # a checkpoint of the run restores into the same placement
   ckpt = Checkpointer(str(tmp_path))
   ckpt.save(1, run.place_state(state), {"step": 1})

@@ -8,12 +8,14 @@ import signal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from tests.test_main import comparable, data_dir, smoke  # noqa: F401 (data_dir: a fixture)
 from trace_jax.rl.checkpoint import Checkpointer
 from trace_jax.data.tokenizer import CharTokenizer
+from trace_jax.models import stacks
 from trace_jax.rl.loop import Interrupted, Run, _config_json, train
 from trace_jax.rl.validate import make_task
 from trace_jax.rl.writer import MetricsWriter, read_metrics
@@ -146,14 +148,13 @@ def test_an_unreadable_newest_checkpoint_is_named_and_the_one_before_resumes(
 
 
 def test_a_checkpoint_of_another_layout_is_refused_by_name_not_set_aside(data_dir, tmp_path):
-  """A checkpoint that reads but holds another state layout (here: the layers' params stacked,
-  as a scanned model would save them) is no corruption: the run stops, naming the checkpoint
-  and what differs, and leaves it (and the one before) where they are."""
+  """A checkpoint that reads but holds another state layout (here: a norm of another width, as
+  a model of another shape would save it) is no corruption: the run stops, naming the
+  checkpoint and what differs, and leaves it (and the one before) where they are."""
   c, workdir = config(data_dir), str(tmp_path)
   tokenizer = CharTokenizer(make_task(c.task).alphabet())
   state = Run(c, workdir, tokenizer).initial_state()
-  stacked = jax.tree.map(lambda *a: jnp.stack(a), *state["params"]["layers"])
-  other = {**state, "params": {**state["params"], "layers": stacked}}
+  other = {**state, "params": {**state["params"], "final_norm": jnp.ones((3,))}}
   meta = {"tokenizer": tokenizer.to_json(), "config": _config_json(c)}
   ckpt = Checkpointer(workdir)
   ckpt.save(1, state, {**meta, "step": 1})
@@ -163,7 +164,40 @@ def test_a_checkpoint_of_another_layout_is_refused_by_name_not_set_aside(data_di
     train(c, workdir, progress=False, log=quiet)
   message = str(e.value)
   assert os.path.join(workdir, "checkpoints", "2") in message and "layout" in message
-  assert "params/layers/0/attn_norm" in message and "params/layers/attn_norm" in message
+  assert "params/final_norm ((3,)" in message
   assert "\n" not in message and "new --workdir" in message
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
   assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+
+
+def layers_as(tree, regroup):
+  """`tree` (a state: params, optimizer moments, reference) with every model's `layers` list
+  replaced by `regroup(layers)`."""
+  if isinstance(tree, dict):
+    return {k: (regroup(v) if k == "layers" else layers_as(v, regroup)) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+    return type(tree)(layers_as(v, regroup) for v in tree)
+  if hasattr(tree, "_fields"):  # optax's named tuples
+    return type(tree)(*(layers_as(v, regroup) for v in tree))
+  return tree
+
+
+def test_a_checkpoint_of_layers_grouped_otherwise_restores_regrouped(data_dir, tmp_path):
+  """Params, optimizer moments and reference saved one array per layer (as written before
+  layers were stacked) or in other stacks restore into this run's stacks, the same values."""
+  c, workdir = config(data_dir), str(tmp_path)
+  run = Run(c, workdir, CharTokenizer(make_task(c.task).alphabet()))
+  state = run.initial_state(reference=True)
+
+  ckpt = Checkpointer(workdir)
+  ckpt.save(1, layers_as(state, stacks.unstack), {"step": 1})
+  ckpt.save(2, layers_as(state, lambda layers: stacks.regroup(layers, (1,) * len(
+      stacks.unstack(layers)))), {"step": 2})
+  like = run.abstract_state(reference=True)
+  for step in (1, 2):
+    restored, _ = ckpt.restore(step, like)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b, want in zip(*map(jax.tree.leaves, (restored, state, like))):
+      assert a.shape == b.shape and a.sharding == want.sharding
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ckpt.close()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trace_jax.models import QuantRecipe, SITES, init_params, logits, pack_weights, tiny
-from trace_jax.models.paths import unpack
+from trace_jax.models.rollout_path import unpack
 from trace_jax.models.recipe import WEIGHT_AXES
 from trace_jax.rl import metrics as M
 from trace_jax.rl.recompute import recompute

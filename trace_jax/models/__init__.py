@@ -2,7 +2,8 @@
 
 from trace_jax.models.config import PRESETS, ModelConfig, preset, qwen3_30b_a3b, small, tiny
 from trace_jax.models.hf import load_hf
-from trace_jax.models.paths import RolloutWeights, TrainPath, RolloutPath, pack_weights
+from trace_jax.models.paths import TrainPath
+from trace_jax.models.rollout_path import RolloutPath, RolloutWeights, pack_weights
 from trace_jax.models.qwen3_moe import forward, init_params, logits
 from trace_jax.models.recipe import SITES, QuantRecipe, parse_layers
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.models import safetensors_mmap
+from trace_jax.models import safetensors_mmap, stacks
 from trace_jax.models.config import ModelConfig
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -127,6 +127,23 @@ class _Source:
     return np.stack([self._one(self.parts[j], index[1:]) for j in experts])
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layers:
+  """One param of a stack of layers (`models.stacks`): each layer's _Source along a new leading
+  axis, read layer by layer."""
+
+  layers: tuple[_Source, ...]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return (len(self.layers),) + self.layers[0].shape
+
+  def read(self, index: tuple) -> np.ndarray:
+    index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+    return np.stack([self.layers[j].read(index[1:])
+                     for j in range(*index[0].indices(len(self.layers)))])
+
+
 class _Tensors:
   """Pops named tensors with shape checks, so leftovers can be reported."""
 
@@ -168,9 +185,10 @@ def _experts(t: _Tensors, prefix: str, cfg: ModelConfig) -> dict[str, _Source]:
           "w_down": per("down_proj", (d, f))}
 
 
-def _sources(cfg: ModelConfig, t: _Tensors) -> dict:
-  """The params pytree (init_params' structure) with a _Source for every leaf; every name and
-  shape is checked here, from the files' headers, before any tensor is read."""
+def _sources(cfg: ModelConfig, t: _Tensors, groups: Sequence[int] | None = None) -> dict:
+  """The params pytree (init_params' structure, its layers in stacks of `groups`) with a
+  source for every leaf; every name and shape is checked here, from the files' headers, before
+  any tensor is read."""
   d, v, hd = cfg.d_model, cfg.vocab_size, cfg.head_dim
   layers = []
   for i in range(cfg.n_layers):
@@ -187,7 +205,11 @@ def _sources(cfg: ModelConfig, t: _Tensors) -> dict:
         "router": t.transposed(f"{pre}.mlp.gate.weight", (cfg.n_experts, d)),
         **_experts(t, f"{pre}.mlp.experts", cfg),
     })
-  params = {"embed": t.plain("model.embed_tokens.weight", (v, d)), "layers": layers,
+  stacked, lo = [], 0
+  for n in stacks.check_sizes(groups or (cfg.n_layers,), cfg.n_layers):
+    stacked.append(jax.tree.map(lambda *a: _Layers(a), *layers[lo:lo + n]))
+    lo += n
+  params = {"embed": t.plain("model.embed_tokens.weight", (v, d)), "layers": stacked,
             "final_norm": t.plain("model.norm.weight", (d,))}
   if not cfg.tie_embeddings:
     params["lm_head"] = t.transposed("lm_head.weight", (v, d))
@@ -209,8 +231,8 @@ Shardings = Any  # a pytree of jax.sharding.Sharding shaped like the params, or 
 
 
 def load_hf(path: str, dtype: str = "bfloat16", *, param_dtype: str = "float32",
-            shardings: Shardings | Callable[[str], jax.sharding.Sharding] | None = None
-            ) -> tuple[ModelConfig, dict]:
+            shardings: Shardings | Callable[[str], jax.sharding.Sharding] | None = None,
+            groups: Sequence[int] | None = None) -> tuple[ModelConfig, dict]:
   """Reads a Hugging Face Qwen3-MoE directory -> (config, master params).
 
   `dtype` is the activation dtype of the returned config ("float32" for exact parity checks);
@@ -218,12 +240,13 @@ def load_hf(path: str, dtype: str = "bfloat16", *, param_dtype: str = "float32",
   a pytree shaped like the params (e.g. `sharding.param_shardings` of
   `jax.eval_shape(init_params, cfg, key)`), or a function of a param's name
   ("layers/0/w_gate"); by default everything goes to the default device. Each device reads only
-  its slice of each tensor. Accepts the old and new config key names (num_experts /
+  its slice of each tensor. `groups`: layers per stack, as `init_params` takes them (default:
+  one stack). Accepts the old and new config key names (num_experts /
   num_local_experts, rope_theta / rope_parameters) and per-expert or fused expert tensors, in
   one or several safetensors files (float32, bfloat16, float16).
   """
   cfg = read_hf_config(path, dtype)
-  sources = _sources(cfg, _Tensors(_open_tensors(path)))
+  sources = _sources(cfg, _Tensors(_open_tensors(path)), groups)
   target = jnp.dtype(param_dtype)
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(_default_device())

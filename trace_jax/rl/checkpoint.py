@@ -15,9 +15,11 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from trace_jax import distributed
+from trace_jax import sharding as S
 
 # TensorStore's status codes for a checkpoint's bytes cut short, missing or not decoding
 _DECODE_ERRORS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
@@ -52,6 +54,59 @@ def _leaves(tree) -> dict[str, tuple]:
   name = lambda k: str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
   return {"/".join(map(name, path)): (tuple(leaf.shape), str(leaf.dtype))
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _named(tree) -> dict[str, object]:
+  name = lambda k: str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
+  return {"/".join(map(name, path)): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _split_layers(name: str):
+  """"params/layers/3/wq" -> ("params", 3, "wq"); None outside a model's layers."""
+  parts = name.split("/")
+  for k in range(len(parts) - 2):
+    if parts[k] == "layers" and parts[k + 1].isdigit():
+      return "/".join(parts[:k]), int(parts[k + 1]), "/".join(parts[k + 2:])
+  return None
+
+
+def _per_layer(leaves: dict[str, tuple]) -> dict[str, tuple] | None:
+  """The leaves with every layers item (one layer, or a stack: `models.stacks`) split into its
+  layers: per-layer name -> (shape, dtype, the leaf's name, index in its stack or None); None
+  where an item has no norm to tell its size by."""
+  sizes: dict[tuple[str, int], int | None] = {}
+  for name, (shape, _) in leaves.items():
+    where = _split_layers(name)
+    if where and where[2] == "attn_norm":
+      sizes[where[:2]] = shape[0] if len(shape) == 2 else None
+  first: dict[tuple[str, int], int] = {}
+  for prefix in {p for p, _ in sizes}:
+    at = 0
+    for item in sorted(i for p, i in sizes if p == prefix):
+      first[prefix, item] = at
+      at += sizes[prefix, item] or 1
+  out = {}
+  for name, (shape, dtype) in leaves.items():
+    where = _split_layers(name)
+    if where is None:
+      out[name] = (shape, dtype, name, None)
+      continue
+    if where[:2] not in sizes:
+      return None
+    (prefix, item, rest), n = where, sizes[where[:2]]
+    base = first[prefix, item]
+    for j in range(n or 1):
+      out[f"{prefix}/layers/{base + j}/{rest}"] = (shape[1:] if n else shape, dtype, name,
+                                                    j if n else None)
+  return out
+
+
+def _same_layers(saved: dict, want: dict) -> bool:
+  """Whether two layouts hold the same arrays, the model's layers grouped in other stacks."""
+  a, b = _per_layer(saved), _per_layer(want)
+  return a is not None and b is not None and (
+      {k: v[:2] for k, v in a.items()} == {k: v[:2] for k, v in b.items()})
 
 
 def _few(names: list[str], n: int = 3) -> str:
@@ -101,16 +156,23 @@ class Checkpointer:
   def meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
-  def check_layout(self, step: int, like) -> None:
-    """Raises LayoutMismatch, naming the checkpoint and what differs, where the arrays it holds
-    are not those of `like` (by path, shape and dtype)."""
+  def _saved_tree(self, step: int):
     tree = self.manager.item_metadata(step).state
-    tree = getattr(tree, "tree", tree)  # orbax's TreeMetadata, or the tree itself
+    return getattr(tree, "tree", tree)  # orbax's TreeMetadata, or the tree itself
+
+  def check_layout(self, step: int, like) -> bool:
+    """Raises LayoutMismatch, naming the checkpoint and what differs, where the arrays it holds
+    are not those of `like` (by path, shape and dtype), unless only the grouping of the model's
+    layers differs (one array per layer, as written before layers were stacked, or stacks of
+    other sizes). -> whether the layers need regrouping."""
+    tree = self._saved_tree(step)
     if tree is None:  # saved without tree metadata: the restore checks what it can
-      return
+      return False
     saved, want = _leaves(tree), _leaves(like)
     if saved == want:
-      return
+      return False
+    if _same_layers(saved, want):
+      return True
     missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
     changed = [f"{k} {saved[k]} here {want[k]}" for k in sorted(set(want) & set(saved))
                if saved[k] != want[k]]
@@ -123,12 +185,37 @@ class Checkpointer:
 
   def restore(self, step: int, like) -> tuple[dict, dict]:
     """State shaped (and placed) like `like`, and the metadata; LayoutMismatch where the
-    checkpoint holds other arrays."""
-    self.check_layout(step, like)
+    checkpoint holds other arrays. Layers saved in another grouping are regrouped (read whole
+    onto one of each process's devices, then placed as `like` is)."""
+    if self.check_layout(step, like):
+      return self._restore_regrouped(step, like)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     return out.state, out.meta
+
+  def _restore_regrouped(self, step: int, like) -> tuple[dict, dict]:
+    # a device of this process: under several processes jax.devices()[0] is process 0's
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                            self._saved_tree(step))
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    saved, sources = _named(out.state), _per_layer(_leaves(out.state))
+    parts: dict[str, list] = {}  # each of this code's leaves: its layers, from the checkpoint's
+    for key, (_, _, name, j) in _per_layer(_leaves(like)).items():
+      _, _, src, k = sources[key]
+      parts.setdefault(name, []).append((j, saved[src] if k is None else saved[src][k]))
+    leaves, treedef = jax.tree.flatten(like)
+    built = []
+    for name in _named(like):
+      (j, value), *_ = parts[name]
+      if j is not None:
+        value = jnp.stack([v for _, v in sorted(parts[name], key=lambda p: p[0])])
+      built.append(value)
+    # S.place: each process puts its own devices' slices of the whole array it holds
+    return S.place(jax.tree.unflatten(treedef, built),
+                   jax.tree.unflatten(treedef, [leaf.sharding for leaf in leaves])), out.meta
 
   def close(self) -> None:
     self.manager.close()

@@ -62,6 +62,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.aux_coef = 1e-3
   c.rl.minibatches = 2
   c.rl.routing_replay = False
+  # the trainer's memory for compute: none | layer (each layer's activations recomputed in the
+  # backward pass, jax.checkpoint, instead of kept); the same values either way
+  c.rl.remat = "none"
 
   # the rollout engine's kernels (pallas_kernels.dispatch.make_ops)
   c.engine = ml_collections.ConfigDict()
@@ -72,6 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
   # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
   # Triton one otherwise, as measured) | triton | mosaic
   c.engine.attention_kernel = "auto"
+  # the decode step as one lax.scan per run of layers alike (compiled once whatever the depth;
+  # the rollout weights then stacked as the master params are) or layer by layer (false, as
+  # measured so far); the prefill always scans. The same tokens and records either way
+  c.engine.scan_decode = False
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
   c.eval = ml_collections.ConfigDict(dict(every=50, size=200, batch_size=100))

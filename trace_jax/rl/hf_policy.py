@@ -61,12 +61,13 @@ def check(c: ml_collections.ConfigDict) -> ModelConfig | None:
   return cfg
 
 
-def load_params(path: str, cfg: ModelConfig, mesh) -> dict:
-  """The checkpoint's weights as float32 master params, each device reading its slice straight
-  into the training sharding."""
-  abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.PRNGKey(0))
-  _, params = load_hf(path, cfg.dtype, shardings=S.param_shardings(abstract, mesh,
-                                                                   S.TRAIN_RULES))
+def load_params(path: str, cfg: ModelConfig, mesh, groups=None) -> dict:
+  """The checkpoint's weights as float32 master params (layers in stacks of `groups`), each
+  device reading its slice straight into the training sharding."""
+  abstract = jax.eval_shape(functools.partial(init_params, cfg, groups=groups),
+                            jax.random.PRNGKey(0))
+  _, params = load_hf(path, cfg.dtype, groups=groups,
+                      shardings=S.param_shardings(abstract, mesh, S.TRAIN_RULES))
   return params
 
 

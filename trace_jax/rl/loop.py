@@ -67,7 +67,8 @@ class Run:
     options = RLOptions(clip_eps=c.rl.clip_eps, correction=c.rl.correction,
                         correction_cap=c.rl.correction_cap, kl_coef=c.rl.kl_coef,
                         aux_coef=c.rl.aux_coef, minibatches=c.rl.minibatches,
-                        routing_replay=c.rl.routing_replay, temperature=c.rl.temperature)
+                        routing_replay=c.rl.routing_replay, temperature=c.rl.temperature,
+                        remat=c.rl.remat)
     optimizer = make_optimizer(c.sft.lr, c.rl.lr, c.sft.steps, max_grad_norm=c.optim.max_grad_norm,
                                weight_decay=c.optim.weight_decay, b2=c.optim.b2)
     self.trainer = Trainer(self.cfg, self.setup, optimizer, options)
@@ -79,12 +80,13 @@ class Run:
                               top_p=c.rl.top_p, stop_tokens=stops, pad_id=tokenizer.pad_id)
     engine = functools.partial(RolloutEngine, self.cfg, self.setup.rollout,
                                kernels=self.c.engine.kernels,
-                               attention_kernel=self.c.engine.attention_kernel)
+                               attention_kernel=self.c.engine.attention_kernel,
+                               scan_decode=self.c.engine.scan_decode)
     self.engine = engine(sampling, records=self.setup.records)
     self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
     self.eval_engine = engine(dataclasses.replace(sampling, temperature=0.0))
     self.sync = jax.jit(functools.partial(pack_weights, self.cfg, recipe=self.setup.rollout,
-                                          ops=self.engine.ops))
+                                          ops=self.engine.ops, stacked=c.engine.scan_decode))
     self.codes = jax.jit(functools.partial(
         recompute, self.cfg, recipe=self.setup.train, temperature=c.rl.temperature,
         collect_codes=True, code_recipe=self.setup.rollout))
@@ -116,10 +118,11 @@ class Run:
     """The state before step 0 (the checkpoint's weights with model.hf_path, unless `random`);
     with `reference`, shaped as from the first RL step on."""
     init_key, key = jax.random.split(jax.random.PRNGKey(self.c.seed))
+    groups = self.setup.layer_groups(self.cfg.n_layers)
     if self.c.model.hf_path and not random:
-      params = hf_policy.load_params(self.c.model.hf_path, self.cfg, self.mesh)
+      params = hf_policy.load_params(self.c.model.hf_path, self.cfg, self.mesh, groups)
     else:
-      params = init_params(self.cfg, init_key)
+      params = init_params(self.cfg, init_key, groups)
     state = {**self.trainer.init_state(params), "key": key}
     return self.trainer.with_reference(state) if reference else state
 

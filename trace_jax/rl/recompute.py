@@ -8,7 +8,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from trace_jax.models import layers as L
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.paths import Records, TrainPath
 from trace_jax.models.qwen3_moe import forward
@@ -34,7 +33,8 @@ def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: 
               routes: jax.Array | None = None, temperature: float = 1.0,
               collect_codes: bool = False, code_recipe: QuantRecipe | None = None,
               rollout_routes: jax.Array | None = None, guide_layers: jax.Array | None = None,
-              replay: jax.Array | None = None) -> TrainOutputs:
+              replay: jax.Array | None = None, scan: bool = True,
+              remat: bool = False) -> TrainOutputs:
   """Fake-quantized forward over tokens[:, :-1], scored on tokens[:, 1:].
 
   records: the rollout's records (arrays [B, L-1, ...]); sites without one round to nearest.
@@ -46,17 +46,18 @@ def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: 
   guide_layers: bool [n_layers], which layers' records guide (the others round to nearest, as
   without a record); replay: bool, whether `routes` replace the trainer's top-k. Both are
   arrays, so one compiled program serves every guidance and replay setting.
+  scan / remat: `forward`'s (each run of layers one lax.scan; each layer recomputed in the
+  backward pass); neither changes a value.
   """
   inputs, targets = tokens_BxL[:, :-1], tokens_BxL[:, 1:]
   valid = valid_BxL[:, :-1]
   pos = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
   path = TrainPath(cfg, valid, recipe, records, routes, collect_codes, code_recipe,
                    rollout_routes, guide_layers, replay)
-  logits, routing = forward(cfg, params, inputs, pos, path)
+  logits, out = forward(cfg, params, inputs, pos, path, scan=scan, remat=remat)
   if temperature > 0:
     logits = logits / temperature
   logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)
   logp = jnp.pad(logp[..., 0], ((0, 0), (1, 0)))
-  aux = jnp.mean(jnp.stack([L.load_balancing_loss(p, i, valid) for p, i in routing]))
-  return TrainOutputs(logp=logp, aux_loss=aux, codes=path.codes,
-                      routes=jnp.stack([i for _, i in routing]).astype(jnp.uint8))
+  return TrainOutputs(logp=logp, aux_loss=jnp.mean(out["aux"]), codes=out["codes"],
+                      routes=out["routes"])

@@ -18,7 +18,7 @@ import numpy as np
 
 from trace_jax.models.config import ModelConfig
 from pallas_kernels.dispatch import make_ops
-from trace_jax.models.paths import RolloutPath, RolloutWeights, new_kv_cache, write_slots
+from trace_jax.models.rollout_path import RolloutPath, RolloutWeights, write_slots
 from trace_jax.models.qwen3_moe import forward
 from trace_jax.models.recipe import QuantRecipe, parse_layers
 
@@ -123,17 +123,22 @@ class RolloutEngine:
   packed for them (`pack_weights(..., ops=engine.ops)`), plainly packed ones run the Triton
   kernels. `attention_kernel`: the decode attention's backend under "pallas": "auto" (the
   Mosaic kernel for MXFP4 caches on Hopper, the Triton one otherwise, as measured), "triton" or
-  "mosaic" (on Hopper; Triton elsewhere).
+  "mosaic" (on Hopper; Triton elsewhere). `scan_decode`: the decode step (and `extend`) as one
+  `lax.scan` per run of layers over a cache stacked per run (compiled once whatever the depth;
+  its weights best stacked too: `pack_weights(..., stacked=True)`), or layer by layer over a
+  per-layer cache (False, the default). The prefill always scans. Both compute the same values.
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
                records: str | Sequence[int] = "none", collect_codes: bool = False,
-               attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "auto"):
+               attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "auto",
+               scan_decode: bool = False):
     self.ops = make_ops(kernels, attention_kernel, cfg.act_dtype)
     self.cfg, self.recipe, self.sampling = cfg, recipe, sampling
     self.record_layers = parse_layers(records, cfg.n_layers, what="records")
     self.collect_codes = collect_codes
     self.attn_chunk = attn_chunk
+    self.scan_decode = scan_decode
     self._prefill_jit = jax.jit(self._prefill, static_argnums=(4,))
     self._decode_jit = jax.jit(self._decode, donate_argnums=(1,))
     self._extend_jit = jax.jit(self._extend, donate_argnums=(1,))
@@ -205,7 +210,8 @@ class RolloutEngine:
 
   def _path(self, cache, start, q_slot_BxT, valid_BxS):
     return RolloutPath(self.cfg, self.recipe, cache, start, q_slot_BxT, valid_BxS,
-                       self.record_layers, self.attn_chunk, self.collect_codes, self.ops)
+                       self.record_layers, self.attn_chunk, self.collect_codes, self.ops,
+                       stacked_cache=self.scan_decode)
 
   def _sample(self, key, logits_BxV):
     return sample(key, logits_BxV, self.sampling.temperature, self.sampling.top_p)
@@ -217,23 +223,22 @@ class RolloutEngine:
     pad_B = p - lengths_B
     valid_BxS = jnp.arange(slots)[None, :] >= pad_B[:, None]
     pos = jnp.maximum(jnp.arange(p)[None, :] - pad_B[:, None], 0)
-    path = self._path(new_kv_cache(self.cfg, self.recipe, b, slots), 0,
-                      jnp.broadcast_to(jnp.arange(p), (b, p)), valid_BxS)
-    logits, _ = forward(self.cfg, weights, prompts_BxP, pos, path)
+    path = self._path(None, 0, jnp.broadcast_to(jnp.arange(p), (b, p)), valid_BxS)
+    logits, out = forward(self.cfg, weights, prompts_BxP, pos, path)
     key, sub = jax.random.split(key)
     tok, lp = self._sample(sub, logits[:, -1])
     pad = self.sampling.pad_id
     tokens = jnp.full((b, total), pad, jnp.int32).at[:, :p].set(prompts_BxP).at[:, p].set(tok)
-    routes = jnp.stack(path.routes)
+    routes = out["routes"]
     return {
         "t": jnp.asarray(p, jnp.int32), "limit": jnp.asarray(total - 1, jnp.int32), "key": key,
         "pad": pad_B, "valid": valid_BxS, "tokens": tokens,
         "logp": jnp.zeros((b, total), jnp.float32).at[:, p].set(lp),
         "sampled": jnp.zeros((b, total), bool).at[:, p].set(True),
         "done": jnp.isin(tok, jnp.asarray(self.sampling.stop_tokens, jnp.int32)),
-        "cache": path.new_cache,
-        "records": write_slots(_zeros_like_slots(path.records, fed, 1), path.records, 0),
-        "codes": write_slots(_zeros_like_slots(path.codes, fed, 1), path.codes, 0),
+        "cache": out["cache"],
+        "records": write_slots(_zeros_like_slots(out["records"], fed, 1), out["records"], 0),
+        "codes": write_slots(_zeros_like_slots(out["codes"], fed, 1), out["codes"], 0),
         "routes": write_slots(_zeros_like_slots(routes, fed, 2), routes, 0, axis=2),
     }
 
@@ -244,7 +249,7 @@ class RolloutEngine:
     q_slot = jnp.broadcast_to(t + jnp.arange(n), (b, n))
     pos = jnp.maximum(q_slot - s["pad"][:, None], 0)
     path = self._path(s["cache"], t, q_slot, s["valid"])
-    logits, _ = forward(self.cfg, weights, fed_BxT, pos, path)
+    logits, out = forward(self.cfg, weights, fed_BxT, pos, path, scan=self.scan_decode)
     key, sub = jax.random.split(s["key"])
     nxt, lp = self._sample(sub, logits[:, -1])
     nxt = jnp.where(s["done"], self.sampling.pad_id, nxt)
@@ -253,14 +258,14 @@ class RolloutEngine:
     tokens = write_slots(s["tokens"], fed_BxT[:, 1:], t + 1) if n > 1 else s["tokens"]
     stops = jnp.asarray(self.sampling.stop_tokens, jnp.int32)
     return {
-        **s, "t": new_t, "key": key, "cache": path.new_cache,
+        **s, "t": new_t, "key": key, "cache": out["cache"],
         "tokens": write_slots(tokens, nxt[:, None], new_t),
         "logp": write_slots(s["logp"], lp[:, None], new_t),
         "sampled": write_slots(s["sampled"], ~s["done"][:, None], new_t),
         "done": s["done"] | jnp.isin(nxt, stops),
-        "records": write_slots(s["records"], path.records, t),
-        "codes": write_slots(s["codes"], path.codes, t),
-        "routes": write_slots(s["routes"], jnp.stack(path.routes), t, axis=2),
+        "records": write_slots(s["records"], out["records"], t),
+        "codes": write_slots(s["codes"], out["codes"], t),
+        "routes": write_slots(s["routes"], out["routes"], t, axis=2),
     }
 
   def _decode(self, weights, state):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trace_jax.models import stacks
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.recipe import SITES, QuantRecipe, parse_layers
 from trace_jax.quant import BF16
@@ -20,6 +21,7 @@ from trace_jax.rl import grpo
 from trace_jax.rl.recompute import recompute
 
 MODES = ("bf16", "fp4_rollout", "fp4_qat", "trace", "trace_all")
+REMAT = ("none", "layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,22 @@ class ModeSetup:
           what = "nothing (bf16)" if rollout is BF16 else rollout.name
           raise ValueError(f"layer {i} {site}: the rollout records {what}, the trainer "
                            f"quantizes {train.name}")
+
+  def layer_groups(self, n_layers: int) -> tuple[int, ...]:
+    """Layers per stack of the master params (`init_params(groups=)`): runs of layers that both
+    recipes treat alike and that get the same records, so that the programs of a run (the
+    GRPO step, the weight sync) scan its stacks in place rather than copying parts of them."""
+    recorded = parse_layers(self.records, n_layers, what="records")
+
+    def signature(i):
+      formats = [(r.weight_format(i, n_layers), tuple(r.site_format(s, i, n_layers)
+                                                      for s in SITES))
+                 for r in (self.train, self.rollout)]
+      sites = tuple(s for s in SITES if i in recorded
+                    and self.rollout.site_format(s, i, n_layers) is not BF16)
+      return formats, sites
+
+    return tuple(hi - lo for lo, hi in stacks.runs(n_layers, signature))
 
 
 def mode_setup(mode: str, fp4: str = "mxfp4", trace_layers: str = "last:2",
@@ -88,8 +106,11 @@ class RLOptions:
   minibatches: int = 1
   routing_replay: bool = False
   temperature: float = 1.0
+  remat: str = "none"  # none | layer: each layer's activations recomputed in the backward pass
 
   def __post_init__(self):
+    if self.remat not in REMAT:
+      raise ValueError(f"rl.remat={self.remat!r}: choose one of {REMAT}")
     if self.correction not in grpo.CORRECTIONS:
       raise ValueError(f"rl.correction={self.correction!r}: choose one of {grpo.CORRECTIONS}")
     if self.minibatches < 1:
@@ -108,6 +129,7 @@ class Trainer:
     self.cfg, self.setup, self.opt, self.o = cfg, setup, optimizer, options
     self.record_layers = parse_layers(setup.records, cfg.n_layers, what="records")
     setup.check(cfg.n_layers)
+    self.remat = options.remat == "layer"
     self.sft_step = jax.jit(self._sft_step, donate_argnums=(0,))
     self._rl_jit = jax.jit(self._rl_step, donate_argnums=(0,))
 
@@ -129,7 +151,7 @@ class Trainer:
 
   def _sft_step(self, state, batch):
     def loss_fn(params):
-      out = recompute(self.cfg, params, batch["tokens"], batch["valid"])
+      out = recompute(self.cfg, params, batch["tokens"], batch["valid"], remat=self.remat)
       nll = -_masked_mean(out.logp, batch["loss_mask"])
       return nll + self.o.aux_coef * out.aux_loss, (nll, out.aux_loss)
 
@@ -146,7 +168,8 @@ class Trainer:
     routes = batch["routes"] if self.o.routing_replay else None
     return recompute(self.cfg, params, batch["tokens"], batch["valid"],
                      recipe or self.setup.train, records=records, routes=routes,
-                     temperature=self.o.temperature, rollout_routes=batch["routes"])
+                     temperature=self.o.temperature, rollout_routes=batch["routes"],
+                     remat=self.remat)
 
   def rl_step(self, state, batch):
     """batch: tokens, valid, response_mask, logp (the rollout's), advantages [B], records,

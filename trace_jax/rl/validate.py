@@ -12,7 +12,7 @@ from trace_jax import distributed
 from trace_jax.models.recipe import QuantRecipe, parse_layers, precisions
 from trace_jax.rl import hf_policy
 from trace_jax.rl.grpo import CORRECTIONS
-from trace_jax.rl.trainer import MODES, mode_setup
+from trace_jax.rl.trainer import MODES, REMAT, mode_setup
 from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask, sandbox
 
 FAMILIES = ("reasoning", "coding", "long_horizon")
@@ -84,6 +84,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   _choice("rl.correction", c.rl.correction, CORRECTIONS)
   _choice("engine.kernels", c.engine.kernels, KERNELS)
   _choice("engine.attention_kernel", c.engine.attention_kernel, ATTENTION_KERNELS)
+  _choice("rl.remat", c.rl.remat, REMAT)
   hf = hf_policy.check(c)  # the checkpoint's shape with model.hf_path
   n_layers = (hf or c.model).n_layers
   parse_layers(c.rl.trace_layers, n_layers, what="rl.trace_layers")
