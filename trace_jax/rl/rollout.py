@@ -174,10 +174,6 @@ class RolloutEngine:
     state = {**state, "limit": jnp.asarray(0, jnp.int32)}
     return self._decode_jit.lower(weights, state).compile()
 
-  def compiled_text(self, weights, state: dict, until: int) -> str:
-    """The optimized HLO of `run`'s decode loop for these shapes (what XLA fused, by name)."""
-    return self.compiled_decode(weights, state).as_text()
-
   def extend(self, weights, state: dict, tokens_BxT) -> dict:
     """Appends environment tokens (an observation: in the cache and the records, never in the
     response mask) after the last sampled token, then samples the next policy token."""
