@@ -2,7 +2,7 @@
 
     python experiments/bench_rollout.py [--out=DIR] [--layers=2] [--batches=16,64,256] \
         [--context=4080] [--steps=16] [--slots=N] [--profile] [--hlo] \
-        [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,...]
+        [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,mxfp4:pallas+scan,...]
 
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
 nvfp4; the engine's kernels: xla | pallas | triton, where "pallas" is the engine's kernel switch
@@ -10,7 +10,8 @@ as a user sets it, the weight sync packing FP4 weights for the Mosaic GPU kernel
 the same switch with FP4 weights packed plainly, which runs the Triton FP4 kernels instead;
 under either, an optional third field picks the decode attention's backend:
 `mxfp4:pallas:mosaic` the Mosaic attention kernel, `:triton` the Triton one, `:auto`, the
-engine's default, the one measured faster for the cache's format) and
+engine's default, the one measured faster for the cache's format; a suffix `+scan` runs the
+decode step as a scan over stacked layers, `engine.scan_decode`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -57,15 +58,18 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:palla
             "mxfp4:triton", "nvfp4:triton")
 
 
-def parse_variant(v: str) -> tuple[str, str, str]:
-  """A variant, "precision:kernels[:attention]" -> (precision, kernels, attention backend)."""
-  parts = v.split(":")
+def parse_variant(v: str) -> tuple[str, str, str, bool]:
+  """A variant, "precision:kernels[:attention][+scan]" -> (precision, kernels, attention
+  backend, whether the decode step scans its layers)."""
+  name, scan = (v[:-len("+scan")], True) if v.endswith("+scan") else (v, False)
+  parts = name.split(":")
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
       len(parts) == 3 and parts[1] == "xla"):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
-                     f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's backend)")
-  return parts[0], parts[1], attention
+                     f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
+                     "backend), any of them with +scan (the decode step scanned over layers)")
+  return parts[0], parts[1], attention, scan
 
 
 def random_cache(shapes: list, key) -> list:
@@ -104,10 +108,12 @@ def _unit_scales(c):
   return QArray(c.codes, jnp.full_like(c.scales, one), g, c.fmt, c.axis)
 
 
-def random_weights(cfg, recipe, ops, key):
+def random_weights(cfg, recipe, ops, key, stacked: bool = False):
   """Rollout weights of `cfg` as `pack_weights` lays them out for `ops`, random: FP4 codes
   random with unit scales, bf16 normals x 0.02, norms 1; made layer by layer without master
-  params (a 48-layer qwen3_30b_a3b in float32 would not fit next to its rollout weights)."""
+  params (a 48-layer qwen3_30b_a3b in float32 would not fit next to its rollout weights).
+  `stacked`: as `pack_weights(..., stacked=True)` lays out a uniform recipe's, one stack of all
+  layers (what `engine.scan_decode` reads), the same values as unstacked."""
   one = dataclasses.replace(cfg, n_layers=1)
   params = jax.eval_shape(lambda k: init_params(one, k), jax.random.PRNGKey(0))
   shapes = jax.eval_shape(lambda p: pack_weights(one, p, recipe), params)
@@ -117,7 +123,6 @@ def random_weights(cfg, recipe, ops, key):
       return jax.random.bits(k, a.shape, jnp.uint8)
     return (jax.random.normal(k, a.shape) * 0.02).astype(a.dtype)
 
-  @jax.jit
   def layer(k):
     leaves, tree = jax.tree.flatten(shapes.layers[0])
     made = jax.tree.unflatten(tree, [fill(jax.random.fold_in(k, i), a)
@@ -127,8 +132,16 @@ def random_weights(cfg, recipe, ops, key):
       made[n] = jnp.ones_like(made[n])
     return {n: ops.weight_layout(v) if isinstance(v, QArray) else v for n, v in made.items()}
 
-  layers = [jax.block_until_ready(layer(jax.random.fold_in(key, i)))
-            for i in range(cfg.n_layers)]
+  keys = [jax.random.fold_in(key, i) for i in range(cfg.n_layers)]
+  if stacked:
+    formats = {recipe.weight_format(i, cfg.n_layers) for i in range(cfg.n_layers)}
+    if len(formats) > 1:
+      raise ValueError(f"stacked random weights take a recipe of one weight format, got "
+                       f"{sorted(getattr(f, 'name', str(f)) for f in formats)}")
+    layers = [jax.block_until_ready(jax.jit(jax.vmap(layer))(jnp.stack(keys)))]
+  else:
+    one_layer = jax.jit(layer)
+    layers = [jax.block_until_ready(one_layer(k)) for k in keys]
   dt = cfg.act_dtype
   embed = fill(jax.random.fold_in(key, cfg.n_layers), shapes.embed)
   head = (None if shapes.lm_head is None
@@ -299,22 +312,24 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
-    precision, kernels, attention = parse_variant(variant)
+    precision, kernels, attention, scan = parse_variant(variant)
     layout = "pallas" if kernels == "pallas" else "xla"  # "triton": FP4 weights packed plainly
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
     ops = make_ops(layout)
-    if (precision, layout) not in packed:  # one packing alive at a time
+    if (precision, layout, scan) not in packed:  # one packing alive at a time
       packed = weights = state = out = None  # nor the last variant's cache
       packed = {}
-      packed[precision, layout] = random_weights(cfg, recipe, ops, jax.random.PRNGKey(0))
+      packed[precision, layout, scan] = random_weights(cfg, recipe, ops, jax.random.PRNGKey(0),
+                                                       stacked=scan)
       if sync and precision != "bf16":
         per_layer = sync_seconds(cfg, recipe, ops)
         result["sync_s_per_layer"][f"{precision}:{layout}"] = per_layer
         print(json.dumps({"sync": f"{precision}:{layout}", "s_per_layer": per_layer,
                           f"s_{layers}_layers": per_layer * layers}), flush=True)
-    weights = packed[precision, layout]
-    engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention)
+    weights = packed[precision, layout, scan]
+    engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention,
+                           scan_decode=scan)
     for b in batches:
       key = jax.random.PRNGKey(b)
       memory = {}
@@ -350,7 +365,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       seconds = float(np.median(samples)) / steps
       filled = 1.0  # a cache of context + steps: all of it
       if slots:  # a longer one: what the mean step has filled
-        filled = min(1.0, (context + steps / 2) / jax.tree.leaves(out["cache"])[0].shape[1])
+        filled = min(1.0, (context + steps / 2) / out["valid"].shape[1])
       nbytes = step_bytes(cfg, weights, out["cache"], b, filled)
       row = {"variant": variant, "batch": b, "tokens_per_s": b / seconds,
              "step_ms": seconds * 1e3, "bytes_per_step": nbytes,

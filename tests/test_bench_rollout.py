@@ -1,5 +1,7 @@
 """The rollout benchmark's variant names (its run on CPU is in test_experiments.py, slow)."""
 
+import re
+
 import pytest
 
 from experiments import bench_rollout
@@ -7,11 +9,13 @@ from experiments import bench_rollout
 
 def test_bench_rollout_variant_names():
   parse = bench_rollout.parse_variant
-  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto")
-  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic")
+  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False)
+  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic", False)
+  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True)
+  assert parse("mxfp4:pallas:mosaic+scan") == ("mxfp4", "pallas", "mosaic", True)
   for bad in ("mxfp4:xla:mosaic", "mxfp4:pallas:flash", "fp8:pallas", "mxfp4:pallas:mosaic:x",
-              "mxfp4"):
-    with pytest.raises(ValueError, match=f"unknown variant '{bad}'"):
+              "mxfp4", "mxfp4:pallas+scanned", "+scan"):
+    with pytest.raises(ValueError, match=re.escape(f"unknown variant '{bad}'")):
       parse(bad)
 
 
@@ -128,3 +132,28 @@ def test_a_batch_that_does_not_fit_is_refused_before_its_state_is_made(monkeypat
   assert not result["rows"] and len(result["errors"]) == 1, result
   assert "B=64 does not fit" in result["errors"][0] and "GB are free" in result["errors"][0]
   assert made == [True]  # traced for its shapes, never built
+
+
+def test_stacked_random_weights_are_the_scanned_decodes_layout():
+  """Stacked random weights: the layout `pack_weights(..., stacked=True)` gives a uniform
+  recipe, the unstacked weights' values layer for layer; a `+scan` row decodes with them."""
+  import jax
+  import numpy as np
+
+  from trace_jax.models import QuantRecipe, init_params, pack_weights, tiny
+  cfg, recipe, ops = tiny(), QuantRecipe.uniform("mxfp4"), bench_rollout.make_ops("xla")
+  want = jax.eval_shape(lambda: pack_weights(cfg, init_params(cfg, jax.random.PRNGKey(0)),
+                                             recipe, ops=ops, stacked=True))
+  got = bench_rollout.random_weights(cfg, recipe, ops, jax.random.PRNGKey(1), stacked=True)
+  flat = bench_rollout.random_weights(cfg, recipe, ops, jax.random.PRNGKey(1))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+  for i, layer in enumerate(flat.layers):
+    for a, b in zip(jax.tree.leaves(layer), jax.tree.leaves(got.layers[0])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b[i]))
+  with pytest.raises(ValueError, match="one weight format"):
+    bench_rollout.random_weights(cfg, QuantRecipe.parse("mxfp4; layers=last:1,weights=nvfp4"),
+                                 ops, jax.random.PRNGKey(1), stacked=True)
+  result = bench_rollout.run(2, [2], 48, 16, ["bf16:xla+scan"], preset="tiny", slots=96)
+  assert not result["errors"] and result["rows"][0]["variant"] == "bf16:xla+scan"
