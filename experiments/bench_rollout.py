@@ -266,7 +266,8 @@ def step_split(engine, weights, state, until: int, steps: int) -> dict:
   return split
 
 
-_FUSION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+) fusion\(.*?calls=%([\w.\-]+)(.*)$", re.M)
+_FUSION = re.compile(  # a tuple shape (a fusion of several outputs) has spaces
+    r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+) fusion\(.*?calls=%([\w.\-]+)(.*)$", re.M)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -342,7 +343,8 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
         check_fits(memory, b)
         state = decode_state(engine, weights, b, context, steps, key, slots)
         if hlo_dir:  # before the first call, so a loop that runs out of memory is kept too
-          with open(os.path.join(hlo_dir, f"hlo_{variant.replace(':', '_')}_{b}.txt"), "w") as fh:
+          name = f"hlo_{re.sub('[:+]', '_', variant)}_{b}.txt"
+          with open(os.path.join(hlo_dir, name), "w") as fh:
             fh.write(decode.as_text())
         limit = lambda: {"limit": jnp.asarray(context + steps, jnp.int32)}  # donated each call
         jax.block_until_ready(decode(weights, {**state, **limit()}))
