@@ -76,34 +76,27 @@ def random_cache(shapes: list, key) -> list:
   """The engine's cache layout (`shapes`: its arrays or their `jax.ShapeDtypeStruct`s) filled
   with random content, one leaf at a time, so no other cache is ever alive beside it: bf16
   normals, random FP4 codes with unit scales (E8M0 127; E4M3 0x38) and unit globals."""
-  def fill(path, s, i):
+  nodes, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, QArray))
+
+  def fill(i, s):
     k = jax.random.fold_in(key, i)
-    name = jax.tree_util.keystr(path)
-    if s.dtype == jnp.bfloat16:
+    if not isinstance(s, QArray):
       return jax.random.normal(k, s.shape, s.dtype)
-    if s.dtype == jnp.float32:  # NVFP4 globals
-      return jnp.ones(s.shape, s.dtype)
-    if name.endswith(".scales"):
-      fmt = _leaf_format(shapes, path)
-      return jnp.full(s.shape, 127 if fmt == "mxfp4" else 0x38, s.dtype)
-    return jax.random.bits(k, s.shape, jnp.uint8)
+    g = s.global_scale
+    return QArray(jax.random.bits(k, s.codes.shape, jnp.uint8),
+                  jnp.full(s.scales.shape, _UNIT_SCALE.get(s.fmt.name, 0x38), s.scales.dtype),
+                  None if g is None else jnp.ones(g.shape, g.dtype), s.fmt, s.axis)
 
-  leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
-  return jax.tree.unflatten(tree, [fill(p, s, i) for i, (p, s) in enumerate(leaves)])
+  return jax.tree.unflatten(tree, [fill(i, s) for i, s in enumerate(nodes)])
 
 
-def _leaf_format(tree, path) -> str:
-  """The format name of the QArray holding the leaf at `path`."""
-  node = tree
-  for entry in path[:-1]:
-    node = node[entry.idx] if hasattr(entry, "idx") else getattr(node, entry.name)
-  return node.fmt.name
+_UNIT_SCALE = {"mxfp4": 127}  # a block scale of 1 in E8M0; in E4M3 (NVFP4s) 0x38
 
 
 def _unit_scales(c):
   if not isinstance(c, QArray):
     return c
-  one = 127 if c.fmt.name == "mxfp4" else 0x38
+  one = _UNIT_SCALE.get(c.fmt.name, 0x38)
   g = None if c.global_scale is None else jnp.ones_like(c.global_scale)
   return QArray(c.codes, jnp.full_like(c.scales, one), g, c.fmt, c.axis)
 
