@@ -3,6 +3,7 @@ H200, and where the rows of a grouped (MoE) matmul go when each group is padded 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -44,5 +45,9 @@ def tile_rows(group_sizes, t: int, block_m: int):
   offset = slot - (tile_end - tiles)[slot_expert] * block_m
   used = (offset < sizes[slot_expert]) & (slot // block_m < tile_end[-1])
   src = jnp.where(used, (row_end - sizes)[slot_expert] + offset, t)
-  # the table's last entry: the tiles in use; the kernels skip the rest (zeros)
-  return src, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest
+  # the table's last entry: the tiles in use; the kernels skip the rest (zeros). The barrier
+  # makes XLA compute the three index arrays once, in fusions of their own: fused into the
+  # gathers that read them, the arithmetic above (T x E compares among it) ran again for every
+  # element gathered (the largest XLA kernels of the 48-layer decode step, BENCHMARKS.md)
+  return jax.lax.optimization_barrier(
+      (src, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest))
