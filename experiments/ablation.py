@@ -6,7 +6,10 @@
 
 For every family, mode and seed: one RL run, `configs/ablation.py:family=F,mode=M,seed=S` in
 <out>/F/M/seedS (the same as `python -m trace_jax.main` with that config and workdir).
-Rerunning the command resumes unfinished runs and skips finished ones. Then, per family:
+Rerunning the command resumes unfinished runs and skips finished ones; results accumulate in
+<out>: a run recorded in <out>/summary.json whose directory is gone (a fresh clone holds the
+two files alone) is kept, not rerun, and families and seeds this invocation does not name stay
+as they were, so more seeds can be added later, on another machine. Then, per family:
 
 - post-hoc FP4: the BF16-trained policy quantized to MXFP4 after training and evaluated by the
   FP4 rollout engine, against the FP4 policies the FP4 modes trained;
@@ -89,6 +92,21 @@ def provenance() -> dict:
           "python": platform.python_version(), "packages": versions,
           "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
           "cpu_count": os.cpu_count()}
+
+
+def previous_results(out: str) -> tuple[dict, dict]:
+  """(summary, curves' runs) that `out` holds from earlier invocations, or empty ones."""
+  held = [n for n in (curves.SUMMARY, curves.CURVES) if os.path.exists(os.path.join(out, n))]
+  if not held:
+    return {}, {}
+  if len(held) == 1:
+    raise curves.ResultsError(f"{out} holds {held[0]} without the other of {curves.SUMMARY} "
+                              f"and {curves.CURVES}")
+  data = curves.load(out)
+  for family in data.families:  # each run keeps the commit that produced it
+    for run in data.summary[family]["runs"].values():
+      run.setdefault("git_commit", data.summary["provenance"].get("git_commit"))
+  return data.summary, data.curves["runs"]
 
 
 def finished(workdir: str, c) -> bool:
@@ -189,6 +207,11 @@ def main(argv=None):
   with cli.bad_input(ValueError, BoundaryUnavailable):  # every run's config, before the first
     check_workdir(args.out, "--out")
     check_workdir(args.figures, "--figures")
+    if not args.figures_only:  # what earlier invocations recorded: kept, results accumulate
+      try:
+        summary, runs = previous_results(args.out)
+      except curves.ResultsError as e:
+        raise ValueError(f"--out: {e}; move the results aside to start afresh") from None
     for family in [] if args.figures_only else families:
       for mode in modes:
         for seed in seeds:
@@ -204,31 +227,42 @@ def main(argv=None):
     return _report(data, args)
   families = families or list(FAMILIES)
   start = time.time()
-  summary, runs = {"provenance": provenance()}, {}
+  summary["provenance"] = provenance()
   for family in families:
-    summary[family] = {"runs": {}, "final_eval_accuracy": {}}
-    runs[family] = {}
+    fam = summary.setdefault(family, {"runs": {}, "final_eval_accuracy": {}})
+    fam_runs = runs.setdefault(family, {})
     for mode in modes:
+      fresh = set()  # seeds whose results this invocation read from their run directory
       for seed in seeds:
         c = run_config(family, mode, seed, args.smoke)
         c.data_dir = args.data_dir
         workdir = os.path.join(args.out, family, mode, f"seed{seed}")
+        key = f"{mode}/seed{seed}"
+        recorded = fam["runs"].get(key, {}).get("config_arg") == config_arg(
+            family, mode, seed, args.smoke)
         if not finished(workdir, c):
+          if recorded and not os.path.exists(workdir):
+            print(f"== {family} / {mode} / seed {seed}: kept from {curves.SUMMARY} (its run "
+                  f"directory is not here; remove the entry to rerun it)", flush=True)
+            continue
           print(f"== {family} / {mode} / seed {seed} -> {workdir}", flush=True)
           train(c, workdir, progress=False)
-        key = f"{mode}/seed{seed}"
-        summary[family]["runs"][key], runs[family][key] = run_results(
-            family, mode, seed, workdir, c, args.smoke)
-      first = os.path.join(args.out, family, mode, f"seed{seeds[0]}")
-      summary[family]["final_eval_accuracy"][mode] = summary[family]["runs"][
-          f"{mode}/seed{seeds[0]}"]["eval_accuracy_after"]
-      if mode == "bf16":
-        summary[family]["final_eval_accuracy"]["bf16_bf16"] = summary[family][
-            "final_eval_accuracy"]["bf16"]
-        summary[family]["final_eval_accuracy"]["bf16_posthoc_fp4"] = fp4_eval(first)
-    if "trace_all" in modes:
-      summary[family]["probe"] = probe(os.path.join(args.out, family, "trace_all",
-                                                    f"seed{seeds[0]}"))
+        fam["runs"][key], fam_runs[key] = run_results(family, mode, seed, workdir, c,
+                                                      args.smoke)
+        fam["runs"][key]["git_commit"] = summary["provenance"]["git_commit"]
+        fresh.add(seed)
+      # the headline numbers: the lowest seed recorded, recomputed only from its directory
+      first = min(int(k.split("/seed")[1]) for k in fam["runs"] if k.startswith(mode + "/"))
+      if first in fresh or mode not in fam["final_eval_accuracy"]:
+        acc = fam["final_eval_accuracy"]
+        acc[mode] = fam["runs"][f"{mode}/seed{first}"]["eval_accuracy_after"]
+        if mode == "bf16":
+          acc["bf16_bf16"] = acc["bf16"]
+          if first in fresh:
+            acc["bf16_posthoc_fp4"] = fp4_eval(os.path.join(args.out, family, mode,
+                                                            f"seed{first}"))
+      if mode == "trace_all" and first in fresh:
+        fam["probe"] = probe(os.path.join(args.out, family, mode, f"seed{first}"))
     summary["runtime_s"] = time.time() - start
     curves.write(args.out, summary, runs)  # after every family: a stop keeps what is done
   _report(figures.load(args.out, families), args)

@@ -257,3 +257,60 @@ def test_the_check_holds_once_a_full_run_is_committed(tmp_path):
               root / "experiments" / "figures" / "kl_vs_step.png")
   with pytest.raises(AssertionError, match="kl_vs_step.png"):
     check_committed(root, tmp_path / "check_again")
+
+
+def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch, capsys):
+  """Results accumulate: a later invocation for one family and new seeds, on a machine without
+  the earlier runs' directories (a fresh clone with the committed files), keeps the other
+  families and the recorded runs, trains only what is not recorded, and says which it kept."""
+  out, figs = tmp_path / "results", tmp_path / "figures"
+  before = fake_results(str(out), modes=("bf16", "trace"))
+  trained = []
+
+  def train(c, workdir, progress=True):  # a fake run where the ablation trains one
+    trained.append(os.path.relpath(workdir, out))
+    fake_run(workdir, c.rl.mode, sft=6, seed=c.seed)
+
+  monkeypatch.setattr(ablation, "train", train)
+  monkeypatch.setattr(ablation, "finished", lambda w, c: os.path.exists(
+      os.path.join(w, "metrics.jsonl")))
+  monkeypatch.setattr(ablation, "fp4_eval", lambda w: pytest.fail(f"no checkpoint in {w}"))
+  config = ablation.run_config
+
+  def six_sft_steps(family, mode, seed, smoke=False):  # as fake_results' runs have
+    c = config(family, mode, seed, smoke)
+    c.sft.steps = 6
+    return c
+
+  monkeypatch.setattr(ablation, "run_config", six_sft_steps)
+  ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=long_horizon",
+                 "--modes=bf16,trace", "--seeds=0,1"])
+  assert sorted(trained) == [os.path.join("long_horizon", m, "seed1") for m in ("bf16", "trace")]
+  assert "long_horizon / bf16 / seed 0: kept from" in capsys.readouterr().out
+  data = figures.load(str(out))
+  commit = before["provenance"]["git_commit"]  # kept runs: the commit that produced them
+  assert data.summary["reasoning"]["runs"] == {
+      k: {**r, "git_commit": commit} for k, r in before["reasoning"]["runs"].items()}
+  assert data.summary["reasoning"]["probe"] == before["reasoning"]["probe"]
+  lh = data.summary["long_horizon"]
+  assert sorted(lh["runs"]) == ["bf16/seed0", "bf16/seed1", "trace/seed0", "trace/seed1"]
+  assert lh["runs"]["trace/seed0"] == {**before["long_horizon"]["runs"]["trace/seed0"],
+                                       "git_commit": commit}
+  assert lh["runs"]["trace/seed1"]["git_commit"] == data.summary["provenance"]["git_commit"]
+  # the headline numbers stay the lowest seed's; what needs a checkpoint is kept
+  assert lh["final_eval_accuracy"] == before["long_horizon"]["final_eval_accuracy"]
+  assert lh["probe"] == before["long_horizon"]["probe"]
+  assert_summary_matches_curves(data.summary, data.curves)
+  assert "| long_horizon | trace | 2 |" in (out / "table.md").read_text()
+
+
+def test_training_refuses_results_it_cannot_add_to(tmp_path, capsys):
+  out = tmp_path / "results"
+  out.mkdir()
+  shutil.copy(RESULTS / "summary.json", out / "summary.json")  # its curves.json missing
+  with pytest.raises(SystemExit):
+    ablation.main([f"--out={out}", f"--figures={tmp_path / 'figures'}", "--families=coding"])
+  assert re.search(r"--out: \S+ holds summary.json without the other of summary.json and "
+                   r"curves.json; move the results aside to start afresh$",
+                   capsys.readouterr().err.strip())
+  assert sorted(os.listdir(out)) == ["summary.json"]
