@@ -34,13 +34,18 @@ from trace_jax.quant import MXFP4, dequantize, quantize
 DENSE = {"dot 4096x14336": (4096, 14336), "q_proj 2048x4096": (2048, 4096)}
 GROUPED = {"gate/up 2048x768": (2048, 768), "down 768x2048": (768, 2048)}
 CONFIGS = [dict(), dict(block_k=128), dict(block_k=256, max_concurrent_steps=2),
-           dict(block_k=128, splits=2), dict(exact_path=True)]
+           dict(block_k=128, splits=2), dict(exact_path="xla"), dict(exact_path="kernel")]
 # --sweep: the kernel's K step, copies in flight and K splits
 SWEEP = [dict(block_k=bk, max_concurrent_steps=st, splits=sp)
          for bk in (128, 256, 512) for st in (2, 3) for sp in (1, 2, 4, 8)]
 # --in_flight: the blocks whose wgmmas are issued before the first is summed
 IN_FLIGHT = [dict(block_k=bk, max_concurrent_steps=2, splits=sp, in_flight=f)
              for bk, sp in ((256, 4), (512, 4), (256, 2)) for f in (2, 4, 8)]
+
+
+def _exact_suffix(cfg: dict) -> str:
+  """A row's name for its exact path: "+exact" behind XLA's conditional, "+exact in kernel"."""
+  return {"none": "", "xla": "+exact", "kernel": "+exact in kernel"}[cfg["exact_path"]]
 
 
 def _row(result, shape, m, variant, fn, x, ws, nbytes, ref, extra=None):
@@ -90,8 +95,8 @@ def run(batches=(1, 16, 64), shapes=(), configs=CONFIGS) -> dict:
       _row(result, name, m, "mosaic mxfp4 (bf16 x)", lambda a, w: mosaic.fp4_matmul(a, w), x16,
            tiled, wbytes + io, ref)
       for cfg in configs:
-        cfg = dict({"exact_path": False}, **cfg)
-        _row(result, name, m, "w4a4" + ("+exact" if cfg["exact_path"] else ""),
+        cfg = dict({"exact_path": "none"}, **cfg)
+        _row(result, name, m, "w4a4" + _exact_suffix(cfg),
              lambda a, w, cfg=cfg: w4a4.w4a4_matmul(a, w, **cfg), xq, tiled8, wbytes + io, ref,
              cfg)
   for name, (k, n) in pick(GROUPED).items():
@@ -124,8 +129,8 @@ def run(batches=(1, 16, 64), shapes=(), configs=CONFIGS) -> dict:
       _row(result, name, m, "mosaic mxfp4 (bf16 x)",
            lambda a, w: mosaic.grouped_fp4_matmul(a, w, g), x16, tiled, wbytes + io, ref, extra)
       for cfg in [c for c in configs if "max_concurrent_steps" not in c]:
-        cfg = dict({"exact_path": False}, **cfg)
-        _row(result, name, m, "w4a4" + ("+exact" if cfg["exact_path"] else ""),
+        cfg = dict({"exact_path": "none"}, **cfg)
+        _row(result, name, m, "w4a4" + _exact_suffix(cfg),
              lambda a, w, cfg=cfg: w4a4.grouped_w4a4_matmul(a, w, g, **cfg), xq, tiled8,
              wbytes + io, ref, dict(extra, **cfg))
   return result

@@ -35,7 +35,7 @@ def main():
   variants = {
       "mosaic mxfp4": lambda t=layout.tile(q): mosaic.fp4_matmul(
           dequantize(xq).astype(jnp.bfloat16), t),
-      "w4a4": lambda t=w4a4_layout.tile(q): w4a4.w4a4_matmul(xq, t, exact_path=False),
+      "w4a4": lambda t=w4a4_layout.tile(q): w4a4.w4a4_matmul(xq, t, exact_path="none"),
   } if args.mosaic else {
       "fp4 asm": lambda: api.fp4_matmul(x, q, implementation="pallas", decode="asm"),
       "fp4 bits": lambda: api.fp4_matmul(x, q, implementation="pallas", decode="bits"),

@@ -14,7 +14,10 @@ taken out or folded in:
 - Activations (`activation_e4m3`, per call): each token's blocks folded relative to its largest
   scale R_t, E2M1 x 2^(s - R_t + 6), exact in E4M3 while s >= R_t - 14 (E4M3's subnormals hold
   the smallest, 0.5 x 2^-8); a block further below (or a NaN scale) is counted, and the call
-  then takes the exact path of its own (`w4a4.py`: the dequantize-then-dot of XLA).
+  then takes an exact path of its own (`w4a4.py`): the activation unfolded, every code E2M1 x
+  2^6 as the weight's (`activation_unfolded`), and each block's 2^(s - R_t) applied with the
+  weight block's relative scale to the block's float32 product, inside the kernel; or XLA's
+  dequantize-then-dot.
 
 One wgmma of 32 K values is one block of each operand: its 32 products E2M1 x E2M1 x a common
 power of two are small integers (|sum| <= 32 x 144 < 2^13), which the FP8 tensor core sums
@@ -233,3 +236,20 @@ def activation_e4m3(xq: QArray):
   out_of_range = (nonzero & (d < -ACT_SPREAD + ACT_SHIFT)) | (s == 255)
   x8 = folded.reshape(m, k).astype(jnp.float8_e4m3fn)
   return x8, r, jnp.sum(out_of_range, dtype=jnp.int32)
+
+
+def activation_unfolded(xq: QArray):
+  """An MXFP4 activation [M, K] for the exact path -> (E4M3 [M, K], every code E2M1 x 2^6;
+  float32 [K/32, M], each block's 2^(s - R_t), NaN for a NaN scale, K-major as the kernel
+  reads it). With R_t and the token's 2^(R_t - 127 - 12) as in `activation_e4m3`, any spread of
+  scales is exact: what 2^(s - R_t) loses below float32's range (s < R_t - 149) is a product
+  under 2^-149 of its token's largest block."""
+  activation_e4m3(xq)  # the same checks
+  codes = _nibbles(xq.codes)
+  m, k = codes.shape
+  s = xq.scales.astype(jnp.int32)
+  e2m1 = jnp.asarray([0, 0.5, 1, 1.5, 2, 3, 4, 6], jnp.float32)[codes & 7] * 2.0 ** ACT_SHIFT
+  x8 = jnp.where(codes >= 8, -e2m1, e2m1).astype(jnp.float8_e4m3fn)
+  rel = s - jnp.max(s, axis=-1, keepdims=True)
+  mult = jnp.where(s == 255, jnp.nan, jnp.ldexp(jnp.ones(rel.shape, jnp.float32), rel))
+  return x8, mult.T

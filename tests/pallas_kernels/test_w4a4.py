@@ -126,6 +126,52 @@ def test_kernel_arithmetic_is_the_reference_up_to_sum_order():
   assert np.mean(got != want) < 0.02
 
 
+def emulate_exact_path(xq, t):
+  """The kernel's exact branch in jnp: the activation unfolded, each block's exact product
+  times the weight block's and the token block's relative scales, summed in float32."""
+  x8, mult = jax.jit(L.activation_unfolded)(xq)
+  r_t = fold(xq)[1]
+  k, n = t.shape
+  a = x8.astype(jnp.float32).reshape(-1, k // 32, 32)
+  wv = e4m3_values(t).reshape(k // 32, 32, n)
+  parts = jnp.einsum("mbk,bkn->bmn", a, wv, precision="highest")
+  scale = L.scale_multipliers(t)[:, None, :] * mult[:, :, None]  # [K/32, M, N]
+  total = jnp.sum(parts * scale, axis=0)
+  y = total * L.row_scale(t.row_exp, 127)[None] * L.row_scale(r_t, 139)[:, None]
+  return y.astype(jnp.bfloat16)
+
+
+def spread_out(xq, token=3, below=40):
+  """xq with one token's every other block `below` binades under its largest: blocks the fold
+  cannot hold."""
+  s = np.asarray(xq.scales).copy()
+  s[token, 1::2] = np.maximum(s[token].max() - below, 0)
+  return type(xq)(xq.codes, jnp.asarray(s), None, MXFP4, -1)
+
+
+def test_exact_path_arithmetic_is_the_reference_where_the_fold_misses():
+  """Unfolded, with the block scales applied per block: the reference up to sum order for any
+  spread, where the fold (the fast branch) loses the far blocks."""
+  xq, w = spread_out(activation(4, 16, 1024)), weight(5, 1024, 256)
+  assert int(fold(xq)[2]) > 0
+  want = np.asarray(reference.fp4_matmul(dequantize(xq).astype(jnp.bfloat16), w), np.float32)
+  got = np.asarray(emulate_exact_path(xq, tile(w)), np.float32)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+  assert np.mean(got != want) < 0.02
+  # the far blocks alone: the exact branch keeps them, the fold loses them
+  near = np.asarray(xq.scales).copy()
+  far_only = np.asarray(xq.codes).copy()
+  far_only[3, :] = 0
+  far_only[3].reshape(-1, 16)[1::2] = np.asarray(xq.codes)[3].reshape(-1, 16)[1::2]
+  xf = type(xq)(jnp.asarray(far_only), jnp.asarray(near), None, MXFP4, -1)
+  ref3 = np.asarray(reference.fp4_matmul(dequantize(xf).astype(jnp.bfloat16), w), np.float32)[3]
+  np.testing.assert_allclose(np.asarray(emulate_exact_path(xf, tile(w)), np.float32)[3], ref3,
+                             rtol=2e-2, atol=0)
+  assert np.abs(ref3).max() > 0
+  folded = np.asarray(emulate(xf, tile(w)), np.float32)[3]
+  assert np.linalg.norm(folded - ref3) > 0.5 * np.linalg.norm(ref3)  # what the branch is for
+
+
 @pytest.mark.parametrize("m", [1, 16, 40, 64, 100])
 def test_kernels_lower_for_cuda(m):
   """The whole Mosaic lowering (layout inference, the 8-bit wgmma's operand checks) for a CUDA
@@ -133,13 +179,19 @@ def test_kernels_lower_for_cuda(m):
   k, n = 512, 128
   w = jax.eval_shape(lambda: L.tile(weight(0, k, n)))
   x = jax.eval_shape(lambda: activation(0, m, k))
-  f = jax.jit(lambda x, w: w4a4.w4a4_matmul(x, w))
-  assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, n)
+  for exact in w4a4.EXACT_PATHS:
+    f = jax.jit(lambda x, w: w4a4.w4a4_matmul(x, w, exact_path=exact))
+    assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, n)
   if m == 16:
     we = jax.eval_shape(lambda: L.tile(weight(0, k, n, experts=4)))
     g = jax.ShapeDtypeStruct((4,), jnp.int32)
-    f = jax.jit(lambda x, w, g: w4a4.grouped_w4a4_matmul(x, w, g))
+    f = jax.jit(lambda x, w, g: w4a4.grouped_w4a4_matmul(x, w, g, exact_path="kernel"))
     assert jax.export.export(f, platforms=["cuda"])(x, we, g).out_avals[0].shape == (m, n)
+
+
+def test_exact_path_is_checked():
+  with pytest.raises(ValueError, match="exact_path must be one of"):
+    w4a4.w4a4_matmul(activation(0, 2, 256), tile(weight(0, 256, 128)), exact_path="yes")
 
 
 def _reference(xq, w, group_sizes=None):
@@ -158,11 +210,14 @@ def test_kernel_on_gpu(m, k, n):
   if not w4a4.available():
     pytest.skip("needs a Hopper GPU")
   xq, w = activation(m + k, m, k), weight(m + n, k, n)
-  got = np.asarray(w4a4.w4a4_matmul(xq, L.tile(w), exact_path=False), np.float32)
-  want = _reference(xq, w)
-  assert not np.isnan(got).any()
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
-  assert np.mean(got != want) < 0.02
+  for x in (xq, spread_out(xq, token=min(3, m - 1))):  # no fold misses, then some
+    want = _reference(x, w)
+    paths = ("none", "kernel", "xla") if x is xq else ("kernel", "xla")
+    for exact in paths:
+      got = np.asarray(w4a4.w4a4_matmul(x, L.tile(w), exact_path=exact), np.float32)
+      assert not np.isnan(got).any(), exact
+      assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3, exact
+      assert np.mean(got != want) < 0.02, exact
 
 
 @pytest.mark.gpu
@@ -173,7 +228,9 @@ def test_grouped_kernel_on_gpu(sizes):
   k, n = 1024, 512
   g = jnp.asarray(sizes, jnp.int32)
   xq, w = activation(7, int(sum(sizes)) + 3, k), weight(8, k, n, experts=len(sizes))
-  got = np.asarray(w4a4.grouped_w4a4_matmul(xq, L.tile(w), g), np.float32)
-  want = _reference(xq, w, g)
-  assert not np.isnan(got).any()
-  assert np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30) < 1e-3
+  for x in (xq, spread_out(xq)):
+    want = _reference(x, w, g)
+    for exact in ("kernel", "xla"):
+      got = np.asarray(w4a4.grouped_w4a4_matmul(x, L.tile(w), g, exact_path=exact), np.float32)
+      assert not np.isnan(got).any(), exact
+      assert np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30) < 1e-3, exact
