@@ -247,7 +247,13 @@ def forward(cfg: ModelConfig, weights: Params, tokens_BxT: jax.Array, pos_BxT: j
   stacked by the scan; otherwise layer by layer (the same values, one copy of the layer per
   layer in the program). `remat`: each layer's activations are recomputed in the backward pass
   instead of kept (`nn.remat`)."""
-  runs = path.runs(weights["layers"])
+  try:
+    runs = path.runs(weights["layers"])
+  except (KeyError, TypeError, AttributeError):
+    keys = sorted(weights) if isinstance(weights, dict) else type(weights).__name__
+    raise ValueError(f"weights {keys}: expected the master params ({{embed, layers, "
+                     "final_norm, lm_head}}, init_params) or RolloutWeights (pack_weights)"
+                     ) from None
   model = Qwen3MoE(cfg, path, runs, scan=scan, remat=remat)
   variables = {"params": module_params(cfg, weights, path, runs, scan)}
   (logits, carries), sown = model.apply(variables, tokens_BxT, pos_BxT,
