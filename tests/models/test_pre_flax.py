@@ -16,6 +16,7 @@ def test_the_digests_cover_every_case():
   assert sorted(STORED["cases"]) == sorted(cases.CASES)
 
 
+@pytest.mark.slow  # minutes of compiling on 2 cores (gradients through while loops' records)
 @pytest.mark.parametrize("name", sorted(cases.CASES))
 def test_a_case_computes_its_stored_digest(name):
   if cases.environment() != STORED["environment"]:  # other XLA builds round differently
