@@ -7,9 +7,11 @@ The mesh has a `data` axis and an `expert` axis. Arrays are described by logical
   over `expert`, so a decode step reads each expert's bytes on one device only;
 - training: sequences split over every device (`data` x `expert`); expert weights over `expert`.
 
-Everything else is replicated. The same jitted programs run on one device or many, in one
-process or several (jax.distributed: trace_jax.distributed): only the placement of their inputs
-changes (`place`, `Layout`). Under several processes each holds its devices' shards of every
+Everything else is replicated. Logical axes become mesh axes through flax's logical axis rules
+(`flax.linen.logical_to_mesh_axes`: a rule maps one logical axis to a mesh axis or several, an
+axis no rule names replicates, no mesh axis is used twice in one array). The same jitted
+programs run on one device or many, in one process or several (jax.distributed:
+trace_jax.distributed): only the placement of their inputs changes (`place`, `Layout`). Under several processes each holds its devices' shards of every
 array; `Layout` says which rows of a batch a process loads and computes rewards for, and
 `fetch` brings an array whole to every host.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -30,6 +33,14 @@ ROLLOUT_RULES: Rules = {"batch": "data", "experts": "expert"}
 TRAIN_RULES: Rules = {"batch": ("data", "expert"), "experts": "expert"}
 
 _EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+# the leading axis of a stack of layers (`models.stacks`): no rule names it, each device holds
+# every layer of its shard
+LEADING_AXES = ("layers",)
+
+
+def flax_rules(rules: Rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+  """`rules` as flax's logical axis rules: (logical axis, mesh axes) pairs, in priority order."""
+  return tuple(rules.items())
 
 
 def make_mesh(data: int | None = None, expert: int = 1,
@@ -47,7 +58,7 @@ def make_mesh(data: int | None = None, expert: int = 1,
 
 def spec(logical: Sequence[str | None], rules: Rules) -> P:
   """Logical axis names -> PartitionSpec under `rules` (unknown names replicate)."""
-  return P(*(rules.get(a) if a else None for a in logical))
+  return nn.logical_to_mesh_axes(tuple(logical), flax_rules(rules))
 
 
 def _axis_size(mesh: Mesh, axes) -> int:
@@ -76,26 +87,34 @@ def param_logical_axes(path, leaf, stacked: bool = False) -> tuple[str | None, .
   does every array of a packed expert stack (codes, scales, globals; in any layout); `stacked`:
   the leaf has a leading `layers` axis before those (a stack of layers)."""
   names = _path_names(path)
-  lead = ("layers",) if stacked else ()
+  lead = LEADING_AXES if stacked else ()
   rest = leaf.ndim - len(lead)
   if any(n in _EXPERT_WEIGHTS for n in names) and rest >= 1:
     return lead + ("experts",) + (None,) * (rest - 1)
   return lead + (None,) * rest
 
 
-def param_shardings(tree, mesh: Mesh, rules: Rules):
+def param_logical_specs(tree):
+  """Each leaf's logical axes (`param_logical_axes`) as a PartitionSpec of logical names."""
   stacked = _stacked_items(tree)
 
   def one(path, leaf):
     names = _path_names(path)
-    logical = param_logical_axes(path, leaf, any(tuple(names[:len(p)]) == p for p in stacked))
-    axis = rules.get("experts")
-    e = logical.index("experts") if "experts" in logical else None
-    if e is not None and leaf.shape[e] % _axis_size(mesh, axis):
-      raise ValueError(f"{'/'.join(names)}: {leaf.shape[e]} experts do not split "
-                       f"over mesh axis {axis!r} of size {_axis_size(mesh, axis)}")
-    return NamedSharding(mesh, spec(logical, rules))
+    return P(*param_logical_axes(path, leaf, any(tuple(names[:len(p)]) == p for p in stacked)))
   return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def param_shardings(tree, mesh: Mesh, rules: Rules):
+  logical = param_logical_specs(tree)
+  axis = rules.get("experts")
+
+  def check(path, leaf, axes):
+    if "experts" in axes and leaf.shape[axes.index("experts")] % _axis_size(mesh, axis):
+      raise ValueError(f"{'/'.join(_path_names(path))}: {leaf.shape[axes.index('experts')]} "
+                       f"experts do not split over mesh axis {axis!r} of size "
+                       f"{_axis_size(mesh, axis)}")
+  jax.tree_util.tree_map_with_path(check, tree, logical)
+  return nn.logical_to_mesh_sharding(logical, mesh, flax_rules(rules))
 
 
 def batch_shardings(tree, mesh: Mesh, rules: Rules, batch_axis: int = 0):

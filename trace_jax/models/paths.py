@@ -49,11 +49,12 @@ class TrainPath:
   replay setting (the mismatch probe), where leaving records or routes out would compile one
   program per setting.
 
-  What it collects (`collect`, from the layers' outputs): `aux` [n_layers] the load-balancing
-  losses, `routes` [n_layers, B, T, k] uint8 the experts it used, `codes` {layer: {site:
-  codes}} with `collect_codes`."""
+  What it collects (`collect`, from what the layers sow into `collection`): `aux` [n_layers]
+  the load-balancing losses, `routes` [n_layers, B, T, k] uint8 the experts it used, `codes`
+  {layer: {site: codes}} with `collect_codes`."""
 
   differentiable = True
+  collection = "intermediates"
 
   def __init__(self, cfg: ModelConfig, valid_BxT: jax.Array, recipe: QuantRecipe = QuantRecipe(),
                records: Records | None = None, routes_LxBxTxk: jax.Array | None = None,
@@ -111,8 +112,10 @@ class TrainPath:
 class _TrainLayer:
   """One layer of the trainer's pass: layer `i` (an int, or traced inside a scan), computed
   with the formats of layer `rep` (every layer of its run has them). A view lives for one
-  layer's trace: what it gathers (codes, the experts it chose) leaves through `finish`, as the
-  scan's per-layer outputs."""
+  layer's trace: what it gathers (codes, the experts it chose) leaves through `emit`, as the
+  scan's per-layer outputs, sown by the layer's module."""
+
+  carry = None  # the trainer's runs carry nothing from layer to layer
 
   def __init__(self, path: TrainPath, rep: int, i, records: dict):
     self.path, self.rep, self.i, self.records = path, rep, i, records
@@ -195,6 +198,6 @@ class _TrainLayer:
     self.chosen = idx
     return idx
 
-  def finish(self, probs, idx):
+  def emit(self, probs, idx):
     aux = L.load_balancing_loss(probs, idx, self.path.valid)
-    return None, {"aux": aux, "routes": idx.astype(jnp.uint8), "codes": self.codes}
+    return {"aux": aux, "routes": idx.astype(jnp.uint8), "codes": self.codes}

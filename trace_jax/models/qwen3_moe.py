@@ -1,11 +1,21 @@
-"""The Qwen3-MoE decoder, written once for the rollout engine and the trainer.
+"""The Qwen3-MoE decoder as flax linen modules, written once for the rollout engine and the
+trainer.
 
-How each quantization site, projection and attention is computed is the job of the `path`
-argument: the trainer's path (`trace_jax.models.paths`) fake-quantizes master params and guides
-activations by records; the rollout's (`trace_jax.models.rollout_path`) multiplies packed FP4
-weights and attends over a packed KV cache. This file only says what is computed, in which
-order; `forward` runs the layers the path computes alike as one `lax.scan` over their stacked
-params (`models.stacks`).
+How each quantization site, projection and attention is computed is the job of the `path` the
+modules are given: the trainer's (`trace_jax.models.paths`) fake-quantizes master params and
+guides activations by records; the rollout's (`trace_jax.models.rollout_path`) multiplies packed
+FP4 weights and attends over a packed KV cache. This file only says what is computed, in which
+order. `Qwen3MoE` runs the layers the path computes alike as one `nn.scan` over their stacked
+params (`models.stacks`); each layer sows what the path emits (records, routes, codes, aux
+losses, new K/V) into the path's variable collection, and the stacked KV cache of a scanned
+decode step is the scan's carry, written in place.
+
+Linen rather than NNX: a linen module holds no state of its own, so its variables are whatever
+pytree `apply` is given. The master params stay the plain dict of arrays that orbax saves and
+that `init_params` makes (the layout checkpoints have always had), and the rollout's packed
+weights (`RolloutWeights`: QArrays, or a kernel backend's layout) go in as the same `params`
+collection, with no module state to convert either into or out of. `forward` is the function
+callers use; it lays the weights out as the modules' variables and applies them.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -28,6 +39,8 @@ Params = dict[str, Any]
 class LayerPath(Protocol):
   """How one layer computes the parts where rollout and training differ, and what it emits."""
 
+  carry: Any  # the run's carry after this layer (the rollout's stacked cache, or None)
+
   def linear(self, x: jax.Array, w: Any, name: str) -> jax.Array: ...
 
   def experts(self, x_MxD: jax.Array, w: Any, group_sizes: jax.Array, name: str) -> jax.Array: ...
@@ -38,15 +51,16 @@ class LayerPath(Protocol):
 
   def route(self, probs_BxTxE: jax.Array) -> jax.Array: ...
 
-  def finish(self, probs_BxTxE: jax.Array, idx_BxTxk: jax.Array) -> tuple[Any, Any]:
-    """-> (the run's carry after this layer, this layer's outputs)."""
+  def emit(self, probs_BxTxE: jax.Array, idx_BxTxk: jax.Array) -> dict[str, Any]:
+    """This layer's outputs by name, sown into the path's collection."""
 
 
 class Path(Protocol):
   """A forward pass's computation: which layers run alike (one scan each), each layer's view,
-  and what the per-layer outputs become."""
+  and what the layers' sown outputs become."""
 
   differentiable: bool  # whether gradients flow to the weights (scanned as the scan's input)
+  collection: str  # the variable collection its layers sow into
 
   def runs(self, layers: list) -> tuple[tuple[int, int], ...]: ...
 
@@ -54,7 +68,8 @@ class Path(Protocol):
 
   def layer(self, lo: int, hi: int, i, carry) -> LayerPath: ...
 
-  def collect(self, outputs: list) -> Any: ...
+  def collect(self, outputs: list) -> Any:
+    """[(lo, hi, sown outputs, carry, stacked)] per scan or layer -> what forward returns."""
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, groups: Sequence[int] | None = None) -> Params:
@@ -133,48 +148,124 @@ def moe(cfg: ModelConfig, p: Params, x_BxTxD, idx_BxTxk, gates_BxTxk, path: Laye
   return out.astype(x_BxTxD.dtype)
 
 
+def _keep(_, value):  # a sown value replaces the collection's (one per layer, never appended)
+  return value
+
+
+class DecoderLayer(nn.Module):
+  """Layer i of the run [lo, hi) the path computes alike. Its params: the layer's dict (one of
+  the scan's slices of the run's stack, or the layer itself unrolled), or with `indexed` the
+  model's `layers` items whole, the layer read from them in place inside the scan's body
+  (`stacks.take_traced`: weights without gradients need no scanned copy). Called as a scan's
+  body: ((h, the run's carry), i, pos) -> ((h, carry), None)."""
+
+  cfg: ModelConfig
+  compute: Any  # the Path (linen's own `path` is the module's name path)
+  lo: int
+  hi: int
+  indexed: bool = False
+
+  def __call__(self, c, i, pos_BxT):
+    h, carry = c
+    p = self.variables["params"]
+    if self.indexed:
+      p = stacks.take_traced(p["items"], self.lo, self.hi, i)
+    view = self.compute.layer(self.lo, self.hi, i, carry)
+    h, probs, idx = decoder_layer(self.cfg, p, h, pos_BxT, view)
+    for name, value in view.emit(probs, idx).items():
+      self.sow(self.compute.collection, name, value, reduce_fn=_keep, init_fn=lambda: None)
+    return (h, view.carry), None
+
+
+class Qwen3MoE(nn.Module):
+  """The decoder: embedding, the layers in the path's `runs` (each one `nn.scan` with `scan`,
+  else layer by layer; `remat`: each layer recomputed in the backward pass), final norm and
+  LM head. -> (float32 logits, each run's carry)."""
+
+  cfg: ModelConfig
+  compute: Any  # the Path
+  runs: tuple[tuple[int, int], ...]
+  scan: bool = True
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, tokens_BxT, pos_BxT):
+    cfg, path = self.cfg, self.compute
+    embed = self.get_variable("params", "embed")
+    h = jnp.take(embed, tokens_BxT, axis=0).astype(cfg.act_dtype)
+    carries = []
+    for lo, hi in self.runs:
+      if self.scan:
+        layer = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
+        scanned = {"params": 0} if path.differentiable else {}
+        run = nn.scan(layer, variable_axes={path.collection: 0, **scanned},
+                      variable_broadcast=False if path.differentiable else "params",
+                      in_axes=(0, nn.broadcast), check_constancy_invariants=False)
+        (h, carry), _ = run(cfg, path, lo, hi, indexed=not path.differentiable,
+                            name=f"run_{lo}")((h, path.carry(lo, hi)), jnp.arange(lo, hi),
+                                              pos_BxT)
+        carries.append(carry)
+      else:
+        # i is static: each layer its own copy in the program, its view built with an int
+        layer = nn.remat(DecoderLayer, static_argnums=(2,)) if self.remat else DecoderLayer
+        for i in range(lo, hi):
+          (h, carry), _ = layer(cfg, path, i, i + 1, name=f"layer_{i}")(
+              (h, path.carry(i, i + 1)), i, pos_BxT)
+          carries.append(carry)
+    h = L.rms_norm(h, self.get_variable("params", "final_norm"), cfg.norm_eps)
+    head = embed.T if cfg.tie_embeddings else self.get_variable("params", "lm_head")
+    logits = jnp.dot(h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits, tuple(carries)
+
+
+def module_params(cfg: ModelConfig, weights: Params, path: Path,
+                  runs: tuple[tuple[int, int], ...], scan: bool) -> Params:
+  """The weights (master params or rollout weights, in their stored layout) as `Qwen3MoE`'s
+  params: a run's stack where it is scanned (`stacks.run_stack`: the stored stack in place
+  where one covers the run), the layers' items whole where its body indexes them, one layer's
+  dict per layer unrolled."""
+  params = {"embed": weights["embed"], "final_norm": weights["final_norm"]}
+  if not cfg.tie_embeddings:
+    params["lm_head"] = weights["lm_head"]
+  layers = weights["layers"]
+  for lo, hi in runs:
+    if scan and path.differentiable:
+      params[f"run_{lo}"] = stacks.run_stack(layers, lo, hi)
+    elif scan:
+      params[f"run_{lo}"] = {"items": layers}
+    else:
+      params.update({f"layer_{i}": stacks.take(layers, i) for i in range(lo, hi)})
+  return params
+
+
 def forward(cfg: ModelConfig, weights: Params, tokens_BxT: jax.Array, pos_BxT: jax.Array,
             path: Path, *, scan: bool = True, remat: bool = False):
   """Logits (float32) and what the path collects from the layers (`path.collect`).
 
   Layers run in the path's runs (`path.runs`: consecutive layers it computes alike); with
-  `scan` each run is one `lax.scan`, compiled once whatever its length, its per-layer outputs
+  `scan` each run is one `nn.scan`, compiled once whatever its length, its per-layer outputs
   stacked by the scan; otherwise layer by layer (the same values, one copy of the layer per
   layer in the program). `remat`: each layer's activations are recomputed in the backward pass
-  instead of kept (`jax.checkpoint`)."""
-  h = jnp.take(weights["embed"], tokens_BxT, axis=0).astype(cfg.act_dtype)
-  layers = weights["layers"]
-  outputs = []
-  for lo, hi in path.runs(layers):
-
-    def one(h, carry, i, p, lo=lo, hi=hi):
-      view = path.layer(lo, hi, i, carry)
-      h, probs, idx = decoder_layer(cfg, p, h, pos_BxT, view)
-      carry, out = view.finish(probs, idx)
-      return h, carry, out
-
-    if scan:
-      # a stored stack is read in place; weights without gradients are indexed in the body
-      w = stacks.run_stack(layers, lo, hi) if path.differentiable else None
-
-      def body(c, x, one=one, lo=lo, hi=hi):
-        i, p = x
-        p = stacks.take_traced(layers, lo, hi, i) if p is None else p
-        h, carry, out = one(*c, i, p)
-        return (h, carry), out
-
-      body = jax.checkpoint(body, prevent_cse=False) if remat else body
-      (h, carry), out = jax.lax.scan(body, (h, path.carry(lo, hi)), (jnp.arange(lo, hi), w))
-      outputs.append((lo, hi, out, carry, True))
-    else:
-      for i in range(lo, hi):
-        step = lambda h, carry, p, i=i, one=one: one(h, carry, i, p)
-        step = jax.checkpoint(step) if remat else step
-        h, carry, out = step(h, path.carry(i, i + 1), stacks.take(layers, i))
-        outputs.append((i, i + 1, out, carry, False))
-  h = L.rms_norm(h, weights["final_norm"], cfg.norm_eps)
-  head = weights["embed"].T if cfg.tie_embeddings else weights["lm_head"]
-  logits = jnp.dot(h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+  instead of kept (`nn.remat`)."""
+  try:
+    runs = path.runs(weights["layers"])
+  except (KeyError, TypeError, AttributeError):
+    keys = sorted(weights) if isinstance(weights, dict) else type(weights).__name__
+    raise ValueError(f"weights {keys}: expected the master params ({{embed, layers, "
+                     "final_norm, lm_head}}, init_params) or RolloutWeights (pack_weights)"
+                     ) from None
+  model = Qwen3MoE(cfg, path, runs, scan=scan, remat=remat)
+  variables = {"params": module_params(cfg, weights, path, runs, scan)}
+  (logits, carries), sown = model.apply(variables, tokens_BxT, pos_BxT,
+                                        mutable=[path.collection])
+  sown = sown.get(path.collection, {})
+  if scan:
+    outputs = [(lo, hi, sown.get(f"run_{lo}", {}), carry, True)
+               for (lo, hi), carry in zip(runs, carries)]
+  else:
+    layers = [i for lo, hi in runs for i in range(lo, hi)]
+    outputs = [(i, i + 1, sown.get(f"layer_{i}", {}), carry, False)
+               for i, carry in zip(layers, carries)]
   return logits, path.collect(outputs)
 
 

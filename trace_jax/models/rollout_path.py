@@ -140,11 +140,13 @@ class RolloutPath:
   decode step): `models.ops.XLA`, or a kernel backend's ops (`pallas_kernels.dispatch`), which
   say which formats and sizes their kernels take; the rest goes to XLA.
 
-  What it collects (`collect`): `records` {layer: {site: Record}} of `record_layers`, `codes`
-  {layer: {site: codes}} with `collect_codes`, `routes` [n_layers, B, T, k] uint8, `cache` the
-  new cache."""
+  What it collects (`collect`, from what the layers sow into `collection`): `records` {layer:
+  {site: Record}} of `record_layers`, `codes` {layer: {site: codes}} with `collect_codes`,
+  `routes` [n_layers, B, T, k] uint8, `cache` the new cache (a stacked one: the runs' scan
+  carries)."""
 
   differentiable = False
+  collection = "intermediates"
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, cache: list | None,
                start: jax.Array, q_slot_BxT: jax.Array, valid_BxS: jax.Array,
@@ -202,7 +204,7 @@ class RolloutPath:
         if one["codes"]:
           codes[lo + j] = one["codes"]
         routes.append(one["routes"])
-        kv.append(one["kv"])
+        kv.append(one.get("kv"))  # none sown where the layers carry the cache
     if self.cache is not None and self.stacked_cache:  # the runs' carries, written in place
       cache = [carry for *_, carry, _ in outputs]
     elif self.cache is not None:
@@ -221,7 +223,7 @@ class _RolloutLayer:
   """One layer of the engine's pass, with the formats of layer `rep`. Its cache: `cache_kv`
   before the new entries (a prefill's is empty: only the new entries leave the layer), or
   entry `index` of the run's stacked cache `carry` (written in place, carried on). A view lives
-  for one layer's trace: what it gathers leaves through `finish`."""
+  for one layer's trace: what it gathers leaves through `emit`, sown by the layer's module."""
 
   def __init__(self, path: RolloutPath, rep: int, cache_kv, carry=None, index=None):
     self.path, self.rep, self.cache_kv = path, rep, cache_kv
@@ -280,6 +282,6 @@ class _RolloutLayer:
   def route(self, probs):
     return L.top_k_experts(probs, self.path.cfg.top_k)
 
-  def finish(self, probs, idx):
-    return self.carry, {"records": self.records, "codes": self.codes,
-                        "routes": idx.astype(jnp.uint8), "kv": self.kv}
+  def emit(self, probs, idx):
+    out = {"records": self.records, "codes": self.codes, "routes": idx.astype(jnp.uint8)}
+    return out if self.kv is None else {**out, "kv": self.kv}
