@@ -318,7 +318,7 @@ def _scaled(partials, row_exp, token_exp):
 
 def w4a4_matmul(xq: QArray, w: TiledW4, *, block_k: int | None = None,
                 splits: int | None = None, max_concurrent_steps: int | None = None,
-                in_flight: int = 2, exact_path: str = "xla") -> jax.Array:
+                in_flight: int = 2, exact_path: str = "kernel") -> jax.Array:
   """An MXFP4 activation xq [M, K] (quantized along K) @ an MXFP4 weight in the W4A4 layout
   -> [M, N] bf16, on FP8 tensor cores (compiled Hopper only); calls of up to 64 tokens.
   exact_path, for a call whose activation has blocks the fold cannot hold (`fold_misses`):
@@ -384,7 +384,7 @@ def _dequantized(xq: QArray) -> jax.Array:
 def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
                         block_k: int | None = None, splits: int | None = None,
                         max_concurrent_steps: int | None = None, in_flight: int = 2,
-                        exact_path: str = "xla") -> jax.Array:
+                        exact_path: str = "kernel") -> jax.Array:
   """The MoE expert matmul on FP8 tensor cores: xq [T, K] (MXFP4, rows sorted by expert) @
   W[e] -> [T, N] bf16 for per-expert weights in the W4A4 layout; rows past sum(group_sizes)
   come out zero. exact_path as in `w4a4_matmul`."""
