@@ -265,7 +265,7 @@ def main(argv=None):
         fam["probe"] = probe(os.path.join(args.out, family, mode, f"seed{first}"))
     summary["runtime_s"] = time.time() - start
     curves.write(args.out, summary, runs)  # after every family: a stop keeps what is done
-  _report(figures.load(args.out, families), args)
+  _report(figures.load(args.out), args)  # of every family the results hold, kept ones too
   print(f"done in {summary['runtime_s'] / 60:.1f} min")
 
 

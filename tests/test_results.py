@@ -301,7 +301,11 @@ def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch,
   assert lh["final_eval_accuracy"] == before["long_horizon"]["final_eval_accuracy"]
   assert lh["probe"] == before["long_horizon"]["probe"]
   assert_summary_matches_curves(data.summary, data.curves)
-  assert "| long_horizon | trace | 2 |" in (out / "table.md").read_text()
+  table = (out / "table.md").read_text()
+  assert "| long_horizon | trace | 2 |" in table
+  # the table and the figures (drawn from the same data) are of every family the results
+  # hold, not only of the one this invocation trained
+  assert "| reasoning | bf16 |" in table
 
 
 def test_training_refuses_results_it_cannot_add_to(tmp_path, capsys):
