@@ -11,9 +11,10 @@ Everything else is replicated. Logical axes become mesh axes through flax's logi
 (`flax.linen.logical_to_mesh_axes`: a rule maps one logical axis to a mesh axis or several, an
 axis no rule names replicates, no mesh axis is used twice in one array). The same jitted
 programs run on one device or many, in one process or several (jax.distributed:
-trace_jax.distributed): only the placement of their inputs changes (`place`, `Layout`). Under several processes each holds its devices' shards of every
-array; `Layout` says which rows of a batch a process loads and computes rewards for, and
-`fetch` brings an array whole to every host.
+trace_jax.distributed): only the placement of their inputs changes (`place`, `Layout`). Under
+several processes each holds its devices' shards of every array; `Layout` says which rows of a
+batch a process loads and computes rewards for, and `fetch` brings an array whole to every
+host.
 """
 
 from __future__ import annotations
