@@ -215,15 +215,19 @@ def untile(t: TiledW4) -> QArray:
   return QArray(packed, jnp.swapaxes(s, -1, -2), None, MXFP4, -2)
 
 
+def _check_activation(xq) -> None:
+  if not isinstance(xq, QArray) or xq.fmt.name != "mxfp4" or xq.codes.ndim != 2 or (
+      xq.axis not in (-1, 1)):
+    raise ValueError(f"the W4A4 kernels take an MXFP4 activation [M, K] quantized along K, got "
+                     f"{type(xq).__name__} {getattr(xq, 'shape', None)}")
+
+
 def activation_e4m3(xq: QArray):
   """An MXFP4 activation [M, K] quantized along K -> (E4M3 [M, K] with each token's blocks
   folded relative to its largest scale, E2M1 x 2^(s - R_t + 6); R_t int32 [M]; how many of its
   blocks that fold cannot hold (nonzero blocks more than 2^14 below their token's largest, and
   NaN scales): the call's exact path runs when any)."""
-  if not isinstance(xq, QArray) or xq.fmt.name != "mxfp4" or xq.codes.ndim != 2 or (
-      xq.axis not in (-1, 1)):
-    raise ValueError(f"the W4A4 kernels take an MXFP4 activation [M, K] quantized along K, got "
-                     f"{type(xq).__name__} {getattr(xq, 'shape', None)}")
+  _check_activation(xq)
   codes = _nibbles(xq.codes)  # [M, K]
   m, k = codes.shape
   s = xq.scales.astype(jnp.int32)  # [M, K/32]
@@ -244,7 +248,7 @@ def activation_unfolded(xq: QArray):
   reads it). With R_t and the token's 2^(R_t - 127 - 12) as in `activation_e4m3`, any spread of
   scales is exact: what 2^(s - R_t) loses below float32's range (s < R_t - 149) is a product
   under 2^-149 of its token's largest block."""
-  activation_e4m3(xq)  # the same checks
+  _check_activation(xq)
   codes = _nibbles(xq.codes)
   m, k = codes.shape
   s = xq.scales.astype(jnp.int32)
