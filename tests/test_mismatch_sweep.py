@@ -1,0 +1,82 @@
+"""The depth sweep of the mismatch probe: its guidance per depth, its resume, its figures and
+refusals, and (slow) one quick sweep end to end."""
+
+import json
+import os
+
+import pytest
+
+from experiments import mismatch_sweep as sweep
+
+
+def test_guidance_per_depth_names_each_share_once():
+  assert sweep.guidances(2) == [("none", "none"), ("last:1", "last:1"), ("all", "all")]
+  assert sweep.guidances(4) == [("none", "none"), ("last:1", "last:1"), ("last:2", "L/2"),
+                                ("all", "all")]
+  assert sweep.guidances(32) == [("none", "none"), ("last:1", "last:1"), ("last:8", "L/4"),
+                                 ("last:16", "L/2"), ("all", "all")]
+
+
+def _rows(depths=(2, 4)):
+  rows = []
+  for n in depths:
+    for spec, share in sweep.guidances(n):
+      for replay in (False, True):
+        kl = 0.0 if spec == "all" else 1e-3 * n
+        rows.append({"layers": n, "rollout_quant": "mxfp4", "records": spec,
+                     "records_of": share, "routing_replay": replay, "mismatch/kl_k3": kl,
+                     "mismatch/flip_rate": kl * 10, "mismatch/kl_k3_by_position": [kl, None, kl]})
+  return rows
+
+
+def test_figures_only_draws_from_the_rows_alone_and_refuses_without_them(tmp_path, capsys):
+  out = tmp_path / "sweep"
+  with pytest.raises(SystemExit, match="rows.jsonl: no rows"):
+    sweep.main([f"--out={out}", "--figures_only"])
+  with open(out / sweep.ROWS, "w") as fh:
+    fh.writelines(json.dumps(r) + "\n" for r in _rows())
+  sweep.main([f"--out={out}", "--figures_only"])
+  for name in sweep.FIGURES:
+    assert os.path.getsize(out / name) > 1000, name
+  table = capsys.readouterr().out
+  assert "| 4 | mxfp4 | last:2 | on | 4.00e-03 | 0.0400 | 4.0e-03 -> 4.0e-03 |" in table
+
+
+def test_a_depth_already_swept_is_not_run_again(tmp_path, monkeypatch):
+  out = tmp_path / "sweep"
+  out.mkdir()
+  with open(out / sweep.ROWS, "w") as fh:
+    fh.writelines(json.dumps(r) + "\n" for r in _rows((2,)))
+  ran = []
+  monkeypatch.setattr(sweep, "sweep_depth", lambda args, n, log=print: ran.append(n) or
+                      [dict(r, layers=n) for r in _rows((n,))])
+  sweep.main([f"--out={out}", "--depths=2,4"])
+  assert ran == [4]
+  assert {r["layers"] for r in sweep.read_rows(str(out))} == {2, 4}
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--depths=4,x", "--depths='4,x'"), ("--depths=0,4", "every depth must be >= 1"),
+    ("--family=nope", "no configs/nope.py"), ("--max_new_tokens=0", "--max_new_tokens must be")])
+def test_bad_arguments_are_named(tmp_path, capsys, flag, message):
+  with pytest.raises(SystemExit):
+    sweep.main([f"--out={tmp_path}", flag])
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~3 minutes: two warm starts and two probes
+def test_quick_sweep_end_to_end(tmp_path):
+  out = tmp_path / "sweep"
+  sweep.main([f"--out={out}", "--quick"])
+  rows = sweep.read_rows(str(out))
+  assert {(r["layers"], r["records_of"]) for r in rows} == {
+      (2, "none"), (2, "last:1"), (2, "all"), (4, "none"), (4, "last:1"), (4, "L/2"), (4, "all")}
+  for r in rows:
+    assert len(r["mismatch/kl_k3_by_position"]) == sweep.QUICK["n_buckets"]
+    assert r["rollout/response_tokens"] == sweep.QUICK["batch"] * sweep.QUICK["max_new_tokens"]
+    if r["records"] == "all":  # every layer recorded: the trainer rounds as the rollout did
+      assert r["mismatch/flip_rate"] == 0.0, r
+    else:
+      assert r["mismatch/flip_rate"] > 0.0, r
+  for name in sweep.FIGURES:
+    assert os.path.getsize(out / name) > 1000, name
