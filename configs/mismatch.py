@@ -45,6 +45,8 @@ def get_config(arg=None):
   # decode attention's backend under pallas: auto | triton | mosaic (trace_jax.rl.rollout)
   c.kernels = "xla"
   c.attention_kernel = "auto"
+  # MXFP4 x MXFP4 matmuls on the W4A4 (FP8 tensor core) kernels, with kernels=pallas
+  c.w4a4 = False
   c.seed = 0
   c.output = ""  # also write the JSON lines here
   # the first data x expert devices (trace_jax.sharding; data 0: every device that expert

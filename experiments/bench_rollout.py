@@ -11,7 +11,8 @@ the same switch with FP4 weights packed plainly, which runs the Triton FP4 kerne
 under either, an optional third field picks the decode attention's backend:
 `mxfp4:pallas:mosaic` the Mosaic attention kernel, `:triton` the Triton one, `:auto`, the
 engine's default, the one measured faster for the cache's format; a suffix `+scan` runs the
-decode step as a scan over stacked layers, `engine.scan_decode`) and
+decode step as a scan over stacked layers, `engine.scan_decode`; `+w4a4` on a pallas variant
+the MXFP4 matmuls on the W4A4 kernels, `engine.w4a4`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -58,18 +59,26 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:palla
             "mxfp4:triton", "nvfp4:triton")
 
 
-def parse_variant(v: str) -> tuple[str, str, str, bool]:
-  """A variant, "precision:kernels[:attention][+scan]" -> (precision, kernels, attention
-  backend, whether the decode step scans its layers)."""
-  name, scan = (v[:-len("+scan")], True) if v.endswith("+scan") else (v, False)
+SUFFIXES = ("+scan", "+w4a4")
+
+
+def parse_variant(v: str) -> tuple[str, str, str, bool, bool]:
+  """A variant, "precision:kernels[:attention][+scan][+w4a4]" -> (precision, kernels, attention
+  backend, whether the decode step scans its layers, whether MXFP4 matmuls run the W4A4
+  kernels)."""
+  name, flags = v, set()
+  while name.endswith(SUFFIXES):
+    suffix = next(x for x in SUFFIXES if name.endswith(x))
+    name, flags = name[:-len(suffix)], flags | {suffix}
   parts = name.split(":")
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
-      len(parts) == 3 and parts[1] == "xla"):
+      len(parts) == 3 and parts[1] == "xla") or ("+w4a4" in flags and parts[1] != "pallas"):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
-                     "backend), any of them with +scan (the decode step scanned over layers)")
-  return parts[0], parts[1], attention, scan
+                     "backend), any of them with +scan (the decode step scanned over layers), "
+                     "a pallas one with +w4a4 (the W4A4 matmuls)")
+  return parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags
 
 
 def random_cache(shapes: list, key) -> list:
@@ -306,11 +315,12 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
-    precision, kernels, attention, scan = parse_variant(variant)
+    precision, kernels, attention, scan, w4a4 = parse_variant(variant)
     layout = "pallas" if kernels == "pallas" else "xla"  # "triton": FP4 weights packed plainly
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
-    ops = make_ops(layout)
+    ops = make_ops(layout, w4a4=w4a4)
+    layout += "+w4a4" if w4a4 else ""
     if (precision, layout, scan) not in packed:  # one packing alive at a time
       packed = weights = state = out = None  # nor the last variant's cache
       packed = {}
@@ -323,7 +333,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
                           f"s_{layers}_layers": per_layer * layers}), flush=True)
     weights = packed[precision, layout, scan]
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention,
-                           scan_decode=scan)
+                           scan_decode=scan, w4a4=w4a4)
     for b in batches:
       key = jax.random.PRNGKey(b)
       memory = {}

@@ -39,7 +39,8 @@ from pallas_kernels.decode_attention.api import supports as supports_attention
 from pallas_kernels.decode_attention.cache import cache_format, default_splits
 from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
                                        grouped_fp4_matmul)
-from pallas_kernels.fp4_matmul import mosaic
+from pallas_kernels.fp4_matmul import mosaic, w4a4
+from pallas_kernels.fp4_matmul import w4a4_layout
 from pallas_kernels.fp4_matmul.layout import FORMATS as FP4_WEIGHT_FORMATS
 from pallas_kernels.fp4_matmul.layout import TiledFP4, tile, untile
 from pallas_kernels.quantize_record import quantize_and_record
@@ -55,21 +56,27 @@ _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mos
 _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
-def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16):
+def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16,
+             w4a4: bool = False):
   """The rollout path's ops for `kernels` ("xla" | "pallas") and, under "pallas", the decode
   attention's backend ("auto" | "triton" | "mosaic"); act_dtype: the model's activations
-  (the kernels take bf16)."""
+  (the kernels take bf16). `w4a4`: MXFP4 projections and experts whose input the recipe
+  quantizes to MXFP4 run the W4A4 kernels (`KernelOps`)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if attention_kernel not in ATTENTION_KERNELS:
     raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
                      f"{attention_kernel!r}")
   if kernels == "xla":
+    if w4a4:
+      raise ValueError("w4a4 runs the Pallas kernels: it needs kernels='pallas'")
     return XLA
   if jnp.dtype(act_dtype) != jnp.bfloat16:
     raise ValueError(f"the pallas kernels take bf16 activations; the model's dtype is "
                      f"{jnp.dtype(act_dtype).name}")
-  return KernelOps(attention_kernel)
+  if w4a4 and jax.default_backend() == "gpu" and not mosaic.available():
+    raise ValueError("w4a4 needs Hopper's FP8 wgmma (the Mosaic GPU kernels); this GPU has none")
+  return KernelOps(attention_kernel, w4a4=w4a4)
 
 
 def _interpret() -> bool:
@@ -193,27 +200,83 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
                           interpret=_interpret())
 
 
+def _w4a4_weight_layout(w):
+  """With W4A4: MXFP4 projections and experts ([K, N] or [E, K, N] quantized along K, N and K
+  multiples of 64) in the W4A4 kernels' layout (`w4a4_layout.TiledW4`); others as
+  `_weight_layout` lays them out."""
+  if (isinstance(w, QArray) and w.fmt.name == "mxfp4" and w.axis == -2
+      and w.shape[-1] % w4a4_layout.ROWS == 0 and w.shape[-2] % w4a4_layout.CHUNK_K == 0):
+    return w4a4_layout.tile(w)
+  return _weight_layout(w)
+
+
+def _rows(xq: QArray) -> QArray:
+  """An activation QArray [..., K] quantized along K as [M, K]."""
+  k2, nb = xq.codes.shape[-1], xq.scales.shape[-1]
+  return QArray(xq.codes.reshape(-1, k2), xq.scales.reshape(-1, nb), None, xq.fmt, -1)
+
+
+def _takes_w4a4(xq) -> bool:
+  return isinstance(xq, QArray) and xq.fmt.name == "mxfp4" and xq.axis in (-1, xq.codes.ndim - 1)
+
+
+def _w4a4_linear(x, w: w4a4_layout.TiledW4, xq) -> jax.Array | None:
+  """x [..., K] (whose MXFP4 QArray is xq) @ w on the W4A4 kernel (compiled Hopper; its
+  arithmetic by XLA elsewhere, `w4a4.emulated_matmul`); None without xq."""
+  if not _takes_w4a4(xq):
+    return None
+  matmul = w4a4.emulated_matmul if _interpret() else w4a4.w4a4_matmul
+  return matmul(_rows(xq), w).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def _w4a4_experts(x_MxD, w: w4a4_layout.TiledW4, group_sizes, xq) -> jax.Array | None:
+  if not _takes_w4a4(xq):
+    return None
+  matmul = w4a4.emulated_grouped_matmul if _interpret() else w4a4.grouped_w4a4_matmul
+  return matmul(_rows(xq), w, group_sizes)
+
+
 class KernelOps(XlaOps):
   """The Pallas kernels where they take the formats and sizes (`_linear`, `_experts`,
   `_attention`, `_quantize` say which), XLA elsewhere; weights laid out for them by the weight
-  sync (`_weight_layout`)."""
+  sync (`_weight_layout`).
+
+  `w4a4`: MXFP4 weights are laid out for the W4A4 (FP8 tensor core) kernels instead, which take
+  the activation as the rollout's MXFP4 QArray (codes and scales, never a bf16 copy): the
+  projections and experts of layers whose recipe quantizes both operands to MXFP4. A matmul
+  handed no such activation (its site left in bf16) is XLA's, on the weight dequantized.
+  `activation_stats` counts the blocks of each activation the kernel's E4M3 fold cannot hold
+  (`w4a4.fold_misses`: such a call takes the kernel's exact branch), the engine's
+  "w4a4_fold_misses"."""
 
   name = "pallas"
 
-  def __init__(self, attention_kernel: str = "auto"):
+  def __init__(self, attention_kernel: str = "auto", w4a4: bool = False):
     self.attention_kernel = attention_kernel
+    self.w4a4 = w4a4
 
   def weight_layout(self, w):
-    return _weight_layout(w)
+    return _w4a4_weight_layout(w) if self.w4a4 else _weight_layout(w)
 
   def dense(self, w) -> jax.Array:
+    if isinstance(w, w4a4_layout.TiledW4):
+      return super().dense(w4a4_layout.untile(w))
     return super().dense(untile(w) if isinstance(w, TiledFP4) else w)
 
-  def linear(self, x, w):
+  def linear(self, x, w, xq=None):
+    if isinstance(w, w4a4_layout.TiledW4):
+      return _w4a4_linear(x, w, xq)
     return _linear(x, w)
 
-  def experts(self, x_MxD, w, group_sizes):
+  def experts(self, x_MxD, w, group_sizes, xq=None):
+    if isinstance(w, w4a4_layout.TiledW4):
+      return _w4a4_experts(x_MxD, w, group_sizes, xq)
     return _experts(x_MxD, w, group_sizes)
+
+  def activation_stats(self, xq) -> dict:
+    if not (self.w4a4 and _takes_w4a4(xq)):
+      return {}
+    return {"w4a4_fold_misses": w4a4.fold_misses(_rows(xq))}
 
   def attention(self, q_BxHxDh, k, v, mask_BxS):
     return _attention(q_BxHxDh, k, v, mask_BxS, backend=self.attention_kernel)

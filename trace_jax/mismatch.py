@@ -98,7 +98,7 @@ def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
                             top_p=c.top_p)
   engine = RolloutEngine(cfg, recipe, sampling, records="all", collect_codes=True,
                          attn_chunk=c.attn_chunk, kernels=c.kernels,
-                         attention_kernel=c.attention_kernel)
+                         attention_kernel=c.attention_kernel, w4a4=c.w4a4)
   start = time.perf_counter()
   weights = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=engine.ops))(params)
   m = mesh(c)
@@ -160,6 +160,7 @@ def probe_precision(cfg, params, precision: str, prompts, c, times: dict | None 
           {i: batch.records[i] for i in layers}, fed)
       row["rollout/tokens_per_s"] = n_new / times["rollout_s"]
       row["rollout/response_tokens"] = n_new
+      row.update({f"rollout/{name}": int(n) for name, n in batch.stats.items()})
       rows.append(row)
       times["settings_s"].append(time.perf_counter() - start)
   return rows
@@ -182,6 +183,9 @@ def check(c: ml_collections.ConfigDict) -> None:
   for key, allowed in (("kernels", KERNELS), ("attention_kernel", ATTENTION_KERNELS)):
     if c[key] not in allowed:
       raise ValueError(f"{key}={c[key]!r}: choose from {list(allowed)}")
+  if c.w4a4 and c.kernels != "pallas":
+    raise ValueError(f"w4a4 runs the Pallas W4A4 kernels: it needs kernels=pallas (got "
+                     f"{c.kernels!r})")
   for g in _choices(c.guidance, None, "guidance"):
     parse_layers(g, 10**6, what="guidance")
   _choices(c.routing_replay, ("off", "on"), "routing_replay")

@@ -35,7 +35,8 @@ from pallas_kernels.fp4_matmul import reference, tiling
 from pallas_kernels.fp4_matmul.mosaic import _load, _store, _transposed, available
 from pallas_kernels.fp4_matmul.w4a4_layout import (ACT_SHIFT, BLOCK, CHUNK_K, DECODE_ASM, ROWS,
                                                    WEIGHT_SHIFT, TiledW4, activation_e4m3,
-                                                   activation_unfolded, row_scale, untile)
+                                                   activation_unfolded, e4m3_values,
+                                                   row_scale, scale_multipliers, untile)
 from trace_jax.quant import QArray
 
 MAX_M = 64  # tokens a dense call: accumulators of M / 2 registers, two in flight, and the sum
@@ -417,3 +418,48 @@ def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
     return y
   exact = lambda: reference.grouped_fp4_matmul(_dequantized(xq), untile(w), group_sizes)
   return jax.lax.cond(misses > 0, exact, lambda: y)
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernels' arithmetic in XLA, for backends without them (the engine's CPU path and tests)
+
+
+def _emulated_t(xq: QArray, w: TiledW4) -> jax.Array:
+  """y^T [..., N, M] float32 before the rows' and tokens' powers of two, for a [K, N] weight
+  (or [E, K, N], each expert against every token): each block's exact product times the
+  weight block's relative scale (and, on the exact branch, the token block's), summed over the
+  blocks in float32; the branch chosen, as in the kernel, by the call's fold misses."""
+  x8, _, misses = activation_e4m3(xq)
+  unfolded, mult = activation_unfolded(xq)
+  *lead, k, n = w.shape
+  exact = misses > 0
+  a = jnp.where(exact, unfolded, x8).astype(jnp.float32).reshape(-1, k // BLOCK, BLOCK)
+  wv = e4m3_values(w).reshape(*lead, k // BLOCK, BLOCK, n)
+  parts = jnp.einsum("mbk,...bkn->...bnm", a, wv, precision="highest")  # exact: small integers
+  scale = scale_multipliers(w)[..., :, :, None]  # [..., K/32, N, 1]
+  scale = scale * jnp.where(exact, mult, 1.0)[:, None, :]  # [K/32, 1, M]
+  return jnp.sum(parts * scale, axis=-3)
+
+
+def emulated_matmul(xq: QArray, w: TiledW4) -> jax.Array:
+  """`w4a4_matmul`'s numbers by XLA (any backend; the "kernel" exact path): xq [M, K] MXFP4,
+  w [K, N] in the W4A4 layout -> [M, N] bf16."""
+  _check(w, False, "emulated_matmul")
+  token_exp = activation_e4m3(xq)[1]
+  return _scaled(_emulated_t(xq, w)[None], w.row_exp, token_exp).T.astype(jnp.bfloat16)
+
+
+def emulated_grouped_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array) -> jax.Array:
+  """`grouped_w4a4_matmul`'s numbers by XLA: rows sorted by expert, each through its expert's
+  weight (every expert computed for every row, then the row's taken: for small tests and
+  backends without the kernel); rows past sum(group_sizes) come out zero."""
+  _check(w, True, "emulated_grouped_matmul")
+  e = w.shape[0]
+  m = xq.shape[0]
+  token_exp = activation_e4m3(xq)[1]
+  y_t = _emulated_t(xq, w) * row_scale(w.row_exp, 127)[..., None]  # [E, N, M]
+  y_t = y_t * row_scale(token_exp, 127 + WEIGHT_SHIFT + ACT_SHIFT)[None, None, :]
+  expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
+  y = jnp.take_along_axis(jnp.moveaxis(y_t, -1, 0),  # [M, E, N]
+                          jnp.minimum(expert, e - 1)[:, None, None], axis=1)[:, 0]
+  return jnp.where((expert < e)[:, None], y, 0.0).astype(jnp.bfloat16)

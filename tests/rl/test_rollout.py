@@ -423,3 +423,85 @@ def test_kernel_switch_leaves_what_no_kernel_takes_to_xla():
   assert jax.tree.structure(qa) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves((qa, rec)), jax.tree.leaves((want, make_record(want)))):
     np.testing.assert_array_equal(a, b)
+
+
+def _w4a4_rollouts(monkeypatch, max_new_tokens=8):
+  """Greedy MXFP4 rollouts on XLA and on the W4A4 kernels (here their arithmetic by XLA,
+  `w4a4.emulated_*`; compiled on Hopper), and what each W4A4 matmul was handed."""
+  from pallas_kernels import dispatch as K
+  taken = []
+  for name in ("_w4a4_linear", "_w4a4_experts"):
+    real = getattr(K, name)
+
+    def spy(*args, _real=real, _name=name):
+      y = _real(*args)
+      taken.append((_name, args[1].shape[-1], y is not None))
+      return y
+
+    monkeypatch.setattr(K, name, spy)
+  cfg, params = policy()
+  recipe = QuantRecipe.uniform("mxfp4")
+  tokens, lengths = pad_prompts(PROMPTS)
+  sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+  out = []
+  for kernels, w4a4 in (("xla", False), ("pallas", True)):
+    engine = RolloutEngine(cfg, recipe, sampling, records="all", collect_codes=True,
+                           attn_chunk=16, kernels=kernels, w4a4=w4a4)
+    weights = pack_weights(cfg, params, recipe, ops=engine.ops)
+    out.append(engine.generate(weights, tokens, lengths, jax.random.PRNGKey(7)))
+  return cfg, params, recipe, out, taken
+
+
+def test_w4a4_engine_takes_the_activations_codes_and_keeps_the_records_exact(monkeypatch):
+  """engine w4a4: every projection and expert matmul of an MXFP4 policy runs the W4A4 kernel on
+  its activation's QArray (the experts' inputs reordered by the dispatch with their codes),
+  giving XLA's tokens and log-probabilities up to float32 summation order; the trainer guided
+  by its records rounds every quantized value to its codes; no activation block was outside
+  the kernel's fold (the engine's count is 0, and XLA's engine reports none)."""
+  from pallas_kernels.fp4_matmul.w4a4_layout import TiledW4
+  cfg, params, recipe, (xla, b), taken = _w4a4_rollouts(monkeypatch)
+  assert taken and all(ok for *_, ok in taken), [t for t in taken if not t[-1]]
+  # wq, wk / wv, wo and the experts' gate / up and down: every output width, both kinds
+  assert {(n, width) for n, width, _ in taken} == {
+      ("_w4a4_linear", cfg.n_heads * cfg.head_dim), ("_w4a4_linear", cfg.n_kv_heads * cfg.head_dim),
+      ("_w4a4_linear", cfg.d_model), ("_w4a4_experts", cfg.d_ff), ("_w4a4_experts", cfg.d_model)}
+  from pallas_kernels import dispatch as K
+  packed = pack_weights(cfg, params, recipe, ops=K.make_ops("pallas", w4a4=True))
+  assert all(isinstance(packed.layers[0][w], TiledW4) for w in WEIGHT_AXES)
+  np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(xla.tokens))
+  np.testing.assert_allclose(np.asarray(b.logp), np.asarray(xla.logp), atol=2e-2)
+  assert set(b.stats) == {"w4a4_fold_misses"} and int(b.stats["w4a4_fold_misses"]) == 0
+  assert xla.stats == {}
+  trained = train(cfg, params, recipe, b, records=b.records, routes=b.routes)
+  flips = M.flip_rates(cfg, recipe, b.codes, trained.codes, b.response_mask[:, 1:],
+                       routes_rollout=b.routes, routes_train=trained.routes)
+  assert not any(flips.values()), {k: v for k, v in flips.items() if v}
+  diff = np.abs(np.asarray(trained.logp) - np.asarray(b.logp))
+  assert diff[np.asarray(b.response_mask)].max() < 1e-4
+
+
+def test_w4a4_fold_misses_are_counted():
+  """The ops' count is the kernel's: the blocks of an activation more than 2^14 below their
+  token's largest (which take the kernel's exact branch), whatever the activation's leading
+  axes; the bf16-activation ops count nothing."""
+  from pallas_kernels import dispatch as K
+  from pallas_kernels.fp4_matmul import w4a4
+  from trace_jax.quant import MXFP4, quantize
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 256))
+  xq = quantize(x, MXFP4)
+  assert int(K.make_ops("pallas", w4a4=True).activation_stats(xq)["w4a4_fold_misses"]) == 0
+  scales = np.asarray(xq.scales).copy()
+  scales[1, 2, 1::2] = scales[1, 2].max() - 20  # 4 of the token's 8 blocks far below
+  far = type(xq)(xq.codes, jnp.asarray(scales), None, MXFP4, xq.axis)
+  assert int(K.make_ops("pallas", w4a4=True).activation_stats(far)["w4a4_fold_misses"]) == 4
+  assert int(w4a4.fold_misses(K._rows(far))) == 4
+  assert K.make_ops("pallas").activation_stats(far) == {}
+
+
+def test_w4a4_needs_the_pallas_kernels():
+  from pallas_kernels import dispatch as K
+  with pytest.raises(ValueError, match="w4a4 runs the Pallas kernels"):
+    K.make_ops("xla", w4a4=True)
+  cfg, _ = policy()
+  with pytest.raises(ValueError, match="w4a4 runs the Pallas kernels"):
+    RolloutEngine(cfg, QuantRecipe.uniform("mxfp4"), SamplingConfig(), w4a4=True)

@@ -29,10 +29,13 @@ class XlaOps:
     """A rollout weight as a dense array (packed weights dequantized to float32)."""
     return quant.dequantize(w) if isinstance(w, QArray) else w
 
-  def linear(self, x, w):
+  def linear(self, x, w, xq=None):
+    """x [..., K] @ w [K, N], or None (then XLA's dot computes it). xq: x's QArray where the
+    path quantized x (x its dequantization), for kernels that take the codes."""
     return None
 
-  def experts(self, x_MxD, w, group_sizes):
+  def experts(self, x_MxD, w, group_sizes, xq=None):
+    """Rows sorted by expert @ their expert's w [E, K, N], or None; xq as in `linear`."""
     return None
 
   def attention(self, q_BxHxDh, k, v, mask_BxS):
@@ -40,6 +43,11 @@ class XlaOps:
 
   def quantize(self, x, fmt):
     return None
+
+  def activation_stats(self, xq) -> dict:
+    """Counts of a quantized activation the backend reports ({name: int32 scalar}), summed by
+    the engine over layers and steps into the rollout's `stats`."""
+    return {}
 
 
 XLA = XlaOps()

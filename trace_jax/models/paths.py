@@ -131,6 +131,9 @@ class _TrainLayer:
   def experts(self, x_MxD, w, group_sizes, name):
     return L.grouped(x_MxD, self.path.weight(w, self.rep, name), group_sizes)
 
+  def rows(self, order, x):
+    return order(x.reshape(-1, x.shape[-1]))
+
   def act(self, x, site):
     fmt = self._format(site)
     rec = self.records.get(site) if fmt is not BF16 else None

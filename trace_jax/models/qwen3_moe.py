@@ -21,7 +21,7 @@ callers use; it lays the weights out as the modules' variables and applies them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -46,6 +46,10 @@ class LayerPath(Protocol):
   def experts(self, x_MxD: jax.Array, w: Any, group_sizes: jax.Array, name: str) -> jax.Array: ...
 
   def act(self, x: jax.Array, site: str) -> jax.Array: ...
+
+  def rows(self, order: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """order(x [..., D] as [M, D]): an activation's rows reordered (the experts' dispatch), so
+    that a path that keeps the activation quantized reorders its codes alike."""
 
   def attention(self, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh) -> jax.Array: ...
 
@@ -132,13 +136,13 @@ def moe(cfg: ModelConfig, p: Params, x_BxTxD, idx_BxTxk, gates_BxTxk, path: Laye
   b, t, d = x_BxTxD.shape
   k = cfg.top_k
   dispatch = L.Dispatch(idx_BxTxk.reshape(b * t, k), cfg.n_experts)
-  xs = dispatch.sort_tokens(x_BxTxD.reshape(b * t, d))
+  xs = path.rows(dispatch.sort_tokens, x_BxTxD)
   g = path.experts(xs, p["w_gate"], dispatch.group_sizes, "w_gate")
   u = path.experts(xs, p["w_up"], dispatch.group_sizes, "w_up")
   mid = jax.nn.silu(g) * u
   # the moe_mid site is laid out per (token, expert slot), as its records are
   mid = path.act(dispatch.unsort(mid).reshape(b, t, k, cfg.d_ff), "moe_mid")
-  ys = path.experts(dispatch.sort_slots(mid.reshape(b * t * k, cfg.d_ff)), p["w_down"],
+  ys = path.experts(path.rows(dispatch.sort_slots, mid), p["w_down"],
                     dispatch.group_sizes, "w_down")
   y = dispatch.unsort(ys).reshape(b, t, k, d).astype(jnp.float32) * gates_BxTxk[..., None]
   # slot by slot in float32: a fixed order of adds, whatever batch or sharding XLA sees

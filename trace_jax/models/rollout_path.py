@@ -143,7 +143,11 @@ class RolloutPath:
   What it collects (`collect`, from what the layers sow into `collection`): `records` {layer:
   {site: Record}} of `record_layers`, `codes` {layer: {site: codes}} with `collect_codes`,
   `routes` [n_layers, B, T, k] uint8, `cache` the new cache (a stacked one: the runs' scan
-  carries)."""
+  carries), `stats` the ops' counts of its quantized activations (`ops.activation_stats`),
+  summed over the layers.
+
+  A matmul whose input is an activation the layer quantized (or its rows reordered by
+  `rows`) is handed that activation's QArray too, for kernels that take codes and scales."""
 
   differentiable = False
   collection = "intermediates"
@@ -195,8 +199,10 @@ class RolloutPath:
     return _RolloutLayer(self, lo, self.cache[i])
 
   def collect(self, outputs) -> dict:
-    records, codes, routes, kv = {}, {}, [], []
+    records, codes, routes, kv, stats = {}, {}, [], [], {}
     for lo, hi, out, _, stacked in outputs:
+      for name, n in out["stats"].items():  # summed over the run's layers
+        stats[name] = stats.get(name, 0) + (jnp.sum(n) if stacked else n)
       for j in range(hi - lo):
         one = jax.tree.map(lambda a: a[j], out) if stacked else out
         if one["records"]:
@@ -216,7 +222,8 @@ class RolloutPath:
         cache = [write_slots(c, n, self.start, axis=2) for c, n in zip(cache, new)]
       else:
         cache = [write_slots(c, n, self.start) for c, n in zip(cache, kv)]
-    return {"records": records, "codes": codes, "routes": jnp.stack(routes), "cache": cache}
+    return {"records": records, "codes": codes, "routes": jnp.stack(routes), "cache": cache,
+            "stats": stats}
 
 
 class _RolloutLayer:
@@ -230,15 +237,30 @@ class _RolloutLayer:
     self.carry, self.index = carry, index
     self.records: dict[str, quant.Record] = {}
     self.codes: dict[str, jax.Array] = {}
+    self.stats: dict[str, jax.Array] = {}
     self.kv = None
+    # the activations this layer quantized, (the values computed with, their QArray): a
+    # matmul handed one of those values gets its codes too (`ops.linear(xq=)`)
+    self._quantized: list[tuple[jax.Array, quant.QArray]] = []
+
+  def _qarray(self, x):
+    return next((qa for value, qa in self._quantized if value is x), None)
 
   def linear(self, x, w, name):
-    y = self.path.ops.linear(x, w)
+    y = self.path.ops.linear(x, w, xq=self._qarray(x))
     return L.dense(x, self.path.ops.dense(w)) if y is None else y
 
   def experts(self, x_MxD, w, group_sizes, name):
-    y = self.path.ops.experts(x_MxD, w, group_sizes)
+    y = self.path.ops.experts(x_MxD, w, group_sizes, xq=self._qarray(x_MxD))
     return L.grouped(x_MxD, self.path.ops.dense(w), group_sizes) if y is None else y
+
+  def rows(self, order, x):
+    out = order(x.reshape(-1, x.shape[-1]))
+    qa = self._qarray(x)
+    if qa is not None:  # the codes and scales reordered alike (both laid out per row)
+      qa = jax.tree.map(lambda a: order(a.reshape(-1, a.shape[-1])), qa)
+      self._quantized.append((out, qa))
+    return out
 
   def _quantize(self, x, site):
     """-> (what to store: QArray or array, the values the engine computes with)."""
@@ -255,7 +277,12 @@ class _RolloutLayer:
     return qa, quant.dequantize(qa).astype(x.dtype)
 
   def act(self, x, site):
-    return self._quantize(x, site)[1]
+    qa, y = self._quantize(x, site)
+    if y is not x:
+      self._quantized.append((y, qa))
+      for name, n in self.path.ops.activation_stats(qa).items():
+        self.stats[name] = self.stats.get(name, 0) + n
+    return y
 
   def attention(self, q, k, v):
     p = self.path
@@ -283,5 +310,6 @@ class _RolloutLayer:
     return L.top_k_experts(probs, self.path.cfg.top_k)
 
   def emit(self, probs, idx):
-    out = {"records": self.records, "codes": self.codes, "routes": idx.astype(jnp.uint8)}
+    out = {"records": self.records, "codes": self.codes, "routes": idx.astype(jnp.uint8),
+           "stats": self.stats}
     return out if self.kv is None else {**out, "kv": self.kv}

@@ -79,6 +79,11 @@ def base_config() -> ml_collections.ConfigDict:
   # the rollout weights then stacked as the master params are) or layer by layer (false, as
   # measured so far); the prefill always scans. The same tokens and records either way
   c.engine.scan_decode = False
+  # with kernels=pallas: MXFP4 x MXFP4 projections and experts on FP8 tensor cores (the W4A4
+  # kernels, Hopper; their arithmetic by XLA elsewhere), taking the activations' codes; the
+  # same values up to float32 sum order; rollout/w4a4_fold_misses counts the activation blocks
+  # that took the kernel's exact branch. Off by default: not faster at B >= 16 (BENCHMARKS.md)
+  c.engine.w4a4 = False
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
   c.eval = ml_collections.ConfigDict(dict(every=50, size=200, batch_size=100))

@@ -81,7 +81,7 @@ class Run:
     engine = functools.partial(RolloutEngine, self.cfg, self.setup.rollout,
                                kernels=self.c.engine.kernels,
                                attention_kernel=self.c.engine.attention_kernel,
-                               scan_decode=self.c.engine.scan_decode)
+                               scan_decode=self.c.engine.scan_decode, w4a4=self.c.engine.w4a4)
     self.engine = engine(sampling, records=self.setup.records)
     self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
     self.eval_engine = engine(dataclasses.replace(sampling, temperature=0.0))
@@ -192,6 +192,7 @@ class Run:
             batch.records, batch.tokens.shape[0] * (batch.tokens.shape[1] - 1)),
         "mismatch/route_flip_rate": M.route_flip_rate(batch.routes, old["routes"], predicts),
     })
+    metrics.update({f"rollout/{name}": int(n) for name, n in batch.stats.items()})
     metrics.update(M.logp_mismatch(batch.logp, old["logp"], batch.response_mask,
                                    prompt_width=batch.prompt_width, n_buckets=4))
     metrics.update(flips)

@@ -53,7 +53,7 @@ class SamplingConfig:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "valid", "response_mask", "logp", "records", "routes",
-                                "codes"],
+                                "codes", "stats"],
                    meta_fields=["prompt_width"])
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch:
@@ -62,7 +62,9 @@ class RolloutBatch:
   tokens [B, L] int32, valid [B, L] (False on left padding), response_mask [B, L] (sampled tokens
   up to and including a stop token), logp [B, L] (the rollout's log-prob of tokens[:, j] at
   response positions, 0 elsewhere), records {layer: {site: Record}} with arrays [B, L-1, ...],
-  routes [n_layers, B, L-1, k] uint8 expert ids, codes {layer: {site: uint8 codes}} (diagnostics).
+  routes [n_layers, B, L-1, k] uint8 expert ids, codes {layer: {site: uint8 codes}} (diagnostics),
+  stats {name: int32} the engine's ops' counts over every layer and step (with W4A4:
+  "w4a4_fold_misses", the activation blocks that took the kernel's exact branch).
   """
 
   tokens: jax.Array
@@ -73,6 +75,7 @@ class RolloutBatch:
   routes: jax.Array | None
   codes: dict | None
   prompt_width: int
+  stats: dict = dataclasses.field(default_factory=dict)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -127,13 +130,16 @@ class RolloutEngine:
   `lax.scan` per run of layers over a cache stacked per run (compiled once whatever the depth;
   its weights best stacked too: `pack_weights(..., stacked=True)`), or layer by layer over a
   per-layer cache (False, the default). The prefill always scans. Both compute the same values.
+  `w4a4` (with "pallas"): MXFP4 x MXFP4 matmuls on FP8 tensor cores where the recipe quantizes
+  a projection's weight and input to MXFP4 (`pallas_kernels.dispatch.KernelOps`); the same
+  values up to the order of float32 sums; the batch's `stats` count its exact-path blocks.
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
                records: str | Sequence[int] = "none", collect_codes: bool = False,
                attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "auto",
-               scan_decode: bool = False):
-    self.ops = make_ops(kernels, attention_kernel, cfg.act_dtype)
+               scan_decode: bool = False, w4a4: bool = False):
+    self.ops = make_ops(kernels, attention_kernel, cfg.act_dtype, w4a4=w4a4)
     self.cfg, self.recipe, self.sampling = cfg, recipe, sampling
     self.record_layers = parse_layers(records, cfg.n_layers, what="records")
     self.collect_codes = collect_codes
@@ -193,7 +199,7 @@ class RolloutEngine:
         tokens=state["tokens"], valid=j >= state["pad"][:, None], response_mask=state["sampled"],
         logp=jnp.where(state["sampled"], state["logp"], 0.0), records=state["records"],
         routes=state["routes"], codes=state["codes"] if self.collect_codes else None,
-        prompt_width=prompt_width)
+        prompt_width=prompt_width, stats=state["stats"])
 
   # -- shapes: P padded prompt width, L tokens in all, L - 1 positions fed to the model --------
 
@@ -236,6 +242,7 @@ class RolloutEngine:
         "records": write_slots(_zeros_like_slots(out["records"], fed, 1), out["records"], 0),
         "codes": write_slots(_zeros_like_slots(out["codes"], fed, 1), out["codes"], 0),
         "routes": write_slots(_zeros_like_slots(routes, fed, 2), routes, 0, axis=2),
+        "stats": jax.tree.map(lambda n: jnp.asarray(n, jnp.int32), out["stats"]),
     }
 
   def _advance(self, weights, s, fed_BxT):
@@ -262,6 +269,7 @@ class RolloutEngine:
         "records": write_slots(s["records"], out["records"], t),
         "codes": write_slots(s["codes"], out["codes"], t),
         "routes": write_slots(s["routes"], out["routes"], t, axis=2),
+        "stats": jax.tree.map(lambda a, n: a + n, s["stats"], out["stats"]),
     }
 
   def _decode(self, weights, state):

@@ -84,6 +84,9 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   _choice("rl.correction", c.rl.correction, CORRECTIONS)
   _choice("engine.kernels", c.engine.kernels, KERNELS)
   _choice("engine.attention_kernel", c.engine.attention_kernel, ATTENTION_KERNELS)
+  if c.engine.w4a4 and c.engine.kernels != "pallas":
+    raise ValueError(f"engine.w4a4 runs the Pallas W4A4 kernels: it needs engine.kernels=pallas "
+                     f"(got {c.engine.kernels!r})")
   _choice("rl.remat", c.rl.remat, REMAT)
   hf = hf_policy.check(c)  # the checkpoint's shape with model.hf_path
   n_layers = (hf or c.model).n_layers
