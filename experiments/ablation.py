@@ -164,8 +164,10 @@ def markdown_table(summary: dict, families) -> str:
            "|---|---|---|---|---|---|---|---|---|"]
   for family in families:
     acc = summary[family]["final_eval_accuracy"]
-    for key, s in summary[family]["runs"].items():
-      mode, seed = key.split("/")[0], int(key.split("/seed")[1])
+    runs = summary[family]["runs"]
+    order = lambda key: (int(key.split("/seed")[1]), MODES.index(key.split("/")[0]))
+    for key in sorted(runs, key=order):  # a seed's modes together, whatever order they ran in
+      s, mode, seed = runs[key], key.split("/")[0], int(key.split("/seed")[1])
       lines.append(
           f"| {family} | {mode} | {f(s['reward_first'], '{:.3f}')} -> "
           f"{f(s['reward_last'], '{:.3f}')} | {f(s['eval_accuracy_before_rl'], '{:.3f}')} -> "

@@ -318,3 +318,16 @@ def test_training_refuses_results_it_cannot_add_to(tmp_path, capsys):
                    r"curves.json; move the results aside to start afresh$",
                    capsys.readouterr().err.strip())
   assert sorted(os.listdir(out)) == ["summary.json"]
+
+
+def test_the_table_lists_each_seed_s_modes_in_order_whatever_order_they_ran_in():
+  run = {"reward_first": 0.1, "reward_last": 0.2, "eval_accuracy_before_rl": 0.3,
+         "eval_accuracy_after": 0.4, "mismatch_kl_k3": 1e-3, "flip_rate": 0.1,
+         "record_bytes_per_token": 0}
+  ran = ["trace_all/seed1", "bf16/seed0", "trace/seed1", "bf16/seed1", "trace/seed0"]
+  summary = {"coding": {"runs": {k: dict(run) for k in ran}, "final_eval_accuracy": {}}}
+  rows = ablation.markdown_table(summary, ["coding"]).splitlines()[2:]
+  assert [r.split("`")[1] for r in rows] == [
+      "family=coding,mode=bf16,seed=0", "family=coding,mode=trace,seed=0",
+      "family=coding,mode=bf16,seed=1", "family=coding,mode=trace,seed=1",
+      "family=coding,mode=trace_all,seed=1"]
