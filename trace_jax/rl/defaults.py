@@ -107,8 +107,8 @@ VARIANTS["smoke"] = {"sft.steps": 3, "rl.steps": 4, "sft.batch_size": 8,
 # one H200: a 12-layer, d_model-512 policy with 16 experts (~160M params; the CPU default has
 # 2 layers, d_model 128, 4 experts), `trace` recording the deepest third of its layers, and
 # batches a GPU keeps busy. Learning rates and schedules stay the CPU's (untuned at this size);
-# engine.kernels stays xla until the Pallas kernels are measured faster at this size (on the CPU
-# default policy XLA's rollout was the faster one on the H200).
+# engine.kernels stays xla: on the H200 XLA's rollout was the faster one on the CPU default policy
+# and at this size on reasoning (BENCHMARKS.md, "The `gpu` policy's rollout").
 VARIANTS["gpu"] = {"model.d_model": 512, "model.n_layers": 12, "model.n_heads": 8,
                    "model.n_kv_heads": 2, "model.head_dim": 64, "model.n_experts": 16,
                    "model.top_k": 2, "model.d_ff": 512, "rl.trace_layers": "last:4",
