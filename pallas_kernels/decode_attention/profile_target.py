@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import api
+from pallas_kernels.decode_attention.bench import HEAD_DIM, HEADS, KV_HEADS
 from trace_jax.quant import MXFP4, NVFP4, quantize
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 VARIANTS = ("mosaic:mxfp4", "mosaic:bf16", "triton:bf16", "mosaic:nvfp4", "triton:mxfp4")
 
 
