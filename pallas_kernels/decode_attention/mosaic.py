@@ -23,7 +23,9 @@ valid slot reads nothing (the Triton kernel skips such blocks one by one).
 
 The scales of all kv heads of a slot are copied together (a bulk copy's rows must be 16 bytes
 or more); each head's columns are loaded as the half of the row that holds them and picked out
-in registers (a masked sum across the four threads that share a row). Numerics are the Triton
+in registers, four bytes a 32-bit word (one masked integer sum across the four threads that
+share a row, `_head_words`). The softmax's row sum is kept per slot row and reduced across the
+warpgroup once, after the last block; its max is reduced every block. Numerics are the Triton
 kernel's: each value is the engine's XLA dequantization in bf16; products accumulate in
 float32.
 """
@@ -47,34 +49,37 @@ ROWS = 16  # query heads a kv head, padded: wgmma's N
 _N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}  # arrays a cache: values; codes, scales[, globals]
 
 
-def _column(tile, c):
-  """Column c (traced) of a [64, C] tile in the WGMMA layout -> [64] float32 in the row layout,
-  by a masked sum along the row (exact: one nonzero term)."""
+def _head_words(ref, hi, n):
+  """Bytes hi x n ... hi x n + n - 1 (hi traced) of each row of a [64, C] byte ref in shared
+  memory -> ceil(n / 4) [64] int32 vectors in the row layout, byte 4w + j of the head at bits
+  8j..8j+7 of word w. Only the `width`-column tiles that hold them are loaded, width = C / 2
+  (at least 8; narrower loads of these rows conflict on shared-memory banks, which Mosaic
+  refuses); each word is one masked sum along its tile's rows (exact: the bytes, shifted into
+  place, do not overlap), so four bytes cost one row reduction."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   wgmma = plgpu.Layout.WGMMA
-  tile = tile.astype(jnp.float32)
-  col = plgpu.broadcasted_iota(jnp.int32, tile.shape, 1, layout=wgmma)
-  return jnp.sum(jnp.where(col == c, tile, 0.0), axis=1)
-
-
-def _head_columns(ref, hi, n):
-  """Columns hi x n ... hi x n + n - 1 (hi traced) of a [64, C] byte ref in shared memory -> n
-  [64] float32 vectors in the row layout. Only the `width`-column tiles that hold them are
-  loaded, width = C / 2 (at least 8), so each masked sum (`_column`) spans half the columns.
-  (Narrower loads of these rows conflict on shared-memory banks, which Mosaic refuses.)"""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
   width = max(8, ref.shape[1] // 2)
   tiles, out = {}, []
-  for j in range(n):
+  for w in range((n + 3) // 4):
+    j0, size = 4 * w, min(4, n - 4 * w)
     if n % width == 0:
-      key, start, c = j // width, hi * n + j // width * width, j % width
+      key, start, c0 = j0 // width, hi * n + j0 // width * width, j0 % width
     else:
-      key, start, c = 0, hi * n // width * width, hi * n % width + j
+      key, start, c0 = 0, hi * n // width * width, hi * n % width + j0
     if key not in tiles:
-      tiles[key] = _load(ref.at[:, pl.ds(pl.multiple_of(start, width), width)],
-                         plgpu.Layout.WGMMA)
-    out.append(_column(tiles[key], c))
+      tile = _load(ref.at[:, pl.ds(pl.multiple_of(start, width), width)], wgmma)
+      tiles[key] = tile.astype(jnp.int32)
+    tile = tiles[key]
+    rel = plgpu.broadcasted_iota(jnp.int32, tile.shape, 1, layout=wgmma) - c0
+    inside = (rel >= 0) & (rel < size)
+    out.append(jnp.sum(jnp.where(inside, tile << ((rel & 3) * 8), 0), axis=1))
   return out
+
+
+def _head_bytes(ref, hi, n):
+  """`_head_words` split into the n bytes, [64] int32 each (0..255)."""
+  words = _head_words(ref, hi, n)
+  return [(words[j // 4] >> (8 * (j % 4))) & 0xFF for j in range(n)]
 
 
 def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
@@ -96,11 +101,10 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     """This kv head's scale rows (`_scale_row`), one [64] vector a block."""
     g = None
     if g_smem is not None:  # NVFP4's float32 global of each (slot, head), from its four bytes
-      word = functools.reduce(jnp.bitwise_or, [
-          b.astype(jnp.int32) << (8 * i) for i, b in enumerate(_head_columns(g_smem, hi, 4))])
+      [word] = _head_words(g_smem, hi, 4)
       g = jax.lax.bitcast_convert_type(word, jnp.float32)
     return [plgpu.layout_cast(_scale_row(s.astype(jnp.uint8), fmt, g), row_l)
-            for s in _head_columns(scales_smem, hi, nb)]
+            for s in _head_bytes(scales_smem, hi, nb)]
 
   def decode(cache_smem):
     """A block's codes -> each chunk's (low, high) nibbles' bf16 values, [64, CHUNK] each."""
@@ -112,7 +116,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
 
   def step(_, mask_smem, *cache_smem, q_smem, v_bufs, p_smem):
     *cache_smem, carry = cache_smem
-    m, l, o = carry
+    m, l_rows, o = carry
     k_smem, v_smem = cache_smem[:n_cache], cache_smem[n_cache:]
 
     def scores(acc_ref):
@@ -131,7 +135,9 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     m_new = jnp.maximum(m, jnp.max(s, axis=0))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [1])), 0.0)
-    l = l * alpha + jnp.sum(p, axis=0)
+    # l stays per slot row (summed over the rows once, after the last block): no reduction
+    # across the warpgroup a step
+    l_rows = l_rows * jax.lax.broadcast_in_dim(alpha, s.shape, [1]) + p
     p_smem[...] = p.astype(jnp.bfloat16)
     if fmt != "bf16":
       for j, pair in enumerate(decode(v_smem)):
@@ -146,7 +152,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
         plgpu.wgmma(acc_ref, v_ref.at[:].transpose((1, 0)), p_smem)
 
     o = pl.run_state(pv)(tuple(plgpu.ACC.init(acc * rescale) for acc in o))
-    return m_new, l, o
+    return m_new, l_rows, o
 
   def empty():
     """(m, l, o) of no slot: what a split past the sequence's end writes."""
@@ -165,14 +171,16 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
                                    lambda k: (bi, s0 + k, hi))]
     cache_specs += [plgpu.BlockSpec((None, BLOCK_S, a.shape[2]), lambda k: (bi, s0 + k, 0))
                     for a in k_gmem[1:]]
-    m, l, o = plgpu.emit_pipeline(
+    m0, _, o0 = empty()
+    l_rows0 = plgpu.layout_cast(jnp.zeros((BLOCK_S, ROWS), jnp.float32), wgmma)
+    m, l_rows, o = plgpu.emit_pipeline(
         functools.partial(step, q_smem=q_smem, v_bufs=v_bufs, p_smem=p_smem),
         grid=(steps,),
         in_specs=[plgpu.BlockSpec((None, BLOCK_S), lambda k: (bi, s0 + k)),
                   *cache_specs, *cache_specs],
-        max_concurrent_steps=max_concurrent_steps, init_carry=empty(),
+        max_concurrent_steps=max_concurrent_steps, init_carry=(m0, l_rows0, o0),
     )(mask_gmem, *k_gmem, *v_gmem)
-    return m, l, o
+    return m, jnp.sum(l_rows, axis=0), o
 
   scoped = dict(q_smem=[plgpu.SMEM((width, ROWS), jnp.bfloat16) for _ in range(parts)],
                 v_bufs=[plgpu.SMEM((BLOCK_S, width), jnp.bfloat16)
@@ -258,7 +266,7 @@ def unsupported(kv_heads: int, head_dim: int, group: int, fmt: str, slots: int) 
   if fmt == "nvfp4":
     per_head["globals"] = 4
   for what, n in per_head.items():
-    width = max(8, kv_heads * n // 2)  # `_head_columns`
+    width = max(8, kv_heads * n // 2)  # `_head_words`
     if (kv_heads * n) % 16 or (width % n and n % width):
       return (f"the {fmt} {what} of a slot's {kv_heads} kv heads ({kv_heads} x {n} bytes) a "
               f"multiple of 16 bytes whose halves hold whole heads")
