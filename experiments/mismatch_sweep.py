@@ -15,8 +15,9 @@ what its warm start makes likely, which is what a long generation's mismatch nee
 
 DIR/rows.jsonl holds one row per (depth, precision, records, replay): the probe's row (KL k3,
 flip rates per site and layer, KL and flip rate by response-position bucket) with `layers` and
-`records_of` (the guidance as a share of depth: none, last:1, L/4, L/2, all). A depth already
-in it is skipped. The figures, drawn from rows.jsonl alone: kl_by_depth.png, flips_by_depth.png
+`records_of` (the guidance as a share of depth: none, last:1, L/4, L/2, all), appended as each
+(depth, precision) finishes; one already in it is skipped, so a stopped sweep loses at most the
+probe it was in. The figures, drawn from rows.jsonl alone: kl_by_depth.png, flips_by_depth.png
 (flip rate at the sites of every layer), kl_by_position.png (the deepest depth).
 """
 
@@ -63,11 +64,11 @@ def family_config(family: str, variant: str, n_layers: int, sft_steps: int):
   return c
 
 
-def probe_config(args, workdir: str, n_layers: int):
+def probe_config(args, workdir: str, n_layers: int, precision: str):
   c = importlib.import_module("configs.mismatch").get_config()
   c.checkpoint = workdir
   c.batch, c.max_new_tokens, c.n_buckets = args.batch, args.max_new_tokens, args.n_buckets
-  c.precisions, c.kernels, c.routing_replay = args.precisions, args.kernels, "off,on"
+  c.precisions, c.kernels, c.routing_replay = precision, args.kernels, "off,on"
   c.guidance = ",".join(spec for spec, _ in guidances(n_layers))
   return c
 
@@ -80,8 +81,9 @@ def read_rows(out: str) -> list[dict]:
     return [json.loads(line) for line in fh if line.strip()]
 
 
-def sweep_depth(args, n_layers: int, log=print) -> list[dict]:
-  """Warm start (resumed if DIR/warm_<L> has it) and probe one depth -> its rows."""
+def sweep_depth(args, n_layers: int, precision: str, log=print) -> list[dict]:
+  """Warm start (resumed if DIR/warm_<L> has it) and probe one depth at one rollout precision
+  -> its rows."""
   from trace_jax import mismatch
   from trace_jax.rl.loop import train
   from trace_jax.rl.validate import validate
@@ -92,7 +94,7 @@ def sweep_depth(args, n_layers: int, log=print) -> list[dict]:
   start = time.perf_counter()
   train(c, workdir, progress=args.progress)
   warm_s = time.perf_counter() - start
-  pc = probe_config(args, workdir, n_layers)
+  pc = probe_config(args, workdir, n_layers, precision)
   start = time.perf_counter()
   rows = mismatch.run(pc, log=lambda line: log(line) if line.startswith("#") else None)
   share = dict(guidances(n_layers))
@@ -100,7 +102,8 @@ def sweep_depth(args, n_layers: int, log=print) -> list[dict]:
     row.update(layers=n_layers, records_of=share[row["records"]], family=args.family,
                variant=args.variant, sft_steps=args.sft_steps, warm_s=warm_s,
                probe_s=time.perf_counter() - start)
-  log(f"# {n_layers} layers: warm start {warm_s:.0f}s, probe {time.perf_counter() - start:.0f}s")
+  log(f"# {n_layers} layers, {precision}: warm start {warm_s:.0f}s, probe "
+      f"{time.perf_counter() - start:.0f}s")
   return rows
 
 
@@ -200,6 +203,12 @@ def parse(argv=None):
     args.depths = sorted({int(d) for d in args.depths.split(",")})
   except ValueError:
     p.error(f"--depths={args.depths!r}: comma-separated layer counts, e.g. 4,8,16,32")
+  from trace_jax.models.recipe import precisions
+  names = [name for name in args.precisions.split(",") if name]
+  if not names or set(names) - set(precisions()):
+    p.error(f"--precisions={args.precisions!r}: comma-separated rollout precisions, from "
+            f"{', '.join(precisions())}")
+  args.precisions = names
   if min(args.depths) < 1:
     p.error(f"--depths: every depth must be >= 1, got {args.depths}")
   if not os.path.isfile(os.path.join(ROOT, "configs", f"{args.family}.py")):
@@ -218,16 +227,17 @@ def main(argv=None):
     if not rows:
       raise SystemExit(f"{os.path.join(args.out, ROWS)}: no rows to draw figures from")
   else:
-    done = {r["layers"] for r in rows}
+    done = {(r["layers"], r["rollout_quant"]) for r in rows}
     for n_layers in args.depths:
-      if n_layers in done:
-        print(f"# {n_layers} layers: in {ROWS} already")
-        continue
-      new = sweep_depth(args, n_layers)
-      with open(os.path.join(args.out, ROWS), "a") as fh:  # one depth's rows at a time
-        for row in new:
-          fh.write(json.dumps(row) + "\n")
-      rows += new
+      for precision in args.precisions:
+        if (n_layers, precision) in done:
+          print(f"# {n_layers} layers, {precision}: in {ROWS} already")
+          continue
+        new = sweep_depth(args, n_layers, precision)
+        with open(os.path.join(args.out, ROWS), "a") as fh:  # a (depth, precision) at a time
+          for row in new:
+            fh.write(json.dumps(row) + "\n")
+        rows += new
   print(table(rows))
   for path in draw(rows, args.out):
     print(f"# wrote {path}")

@@ -42,22 +42,46 @@ def test_figures_only_draws_from_the_rows_alone_and_refuses_without_them(tmp_pat
   assert "| 4 | mxfp4 | last:2 | on | 4.00e-03 | 0.0400 | 4.0e-03 -> 4.0e-03 |" in table
 
 
+def _fake_sweep_depth(ran):
+  def sweep_depth(args, n, precision, log=print):
+    ran.append((n, precision))
+    return [dict(r, layers=n, rollout_quant=precision) for r in _rows((n,))]
+  return sweep_depth
+
+
 def test_a_depth_already_swept_is_not_run_again(tmp_path, monkeypatch):
   out = tmp_path / "sweep"
   out.mkdir()
   with open(out / sweep.ROWS, "w") as fh:
     fh.writelines(json.dumps(r) + "\n" for r in _rows((2,)))
   ran = []
-  monkeypatch.setattr(sweep, "sweep_depth", lambda args, n, log=print: ran.append(n) or
-                      [dict(r, layers=n) for r in _rows((n,))])
-  sweep.main([f"--out={out}", "--depths=2,4"])
-  assert ran == [4]
+  monkeypatch.setattr(sweep, "sweep_depth", _fake_sweep_depth(ran))
+  sweep.main([f"--out={out}", "--depths=2,4", "--precisions=mxfp4"])
+  assert ran == [(4, "mxfp4")]
   assert {r["layers"] for r in sweep.read_rows(str(out))} == {2, 4}
+
+
+def test_a_sweep_stopped_between_precisions_resumes_at_the_missing_one(tmp_path, monkeypatch):
+  """Each (depth, precision) is written when it finishes: a stop during a depth's second
+  precision keeps the first, and the rerun probes only what is missing."""
+  out = tmp_path / "sweep"
+  out.mkdir()
+  with open(out / sweep.ROWS, "w") as fh:  # depth 2 had its mxfp4 rows when the run stopped
+    fh.writelines(json.dumps(r) + "\n" for r in _rows((2,)))
+  ran = []
+  monkeypatch.setattr(sweep, "sweep_depth", _fake_sweep_depth(ran))
+  sweep.main([f"--out={out}", "--depths=2,4", "--precisions=mxfp4,nvfp4"])
+  assert ran == [(2, "nvfp4"), (4, "mxfp4"), (4, "nvfp4")]
+  rows = sweep.read_rows(str(out))
+  assert {(r["layers"], r["rollout_quant"]) for r in rows} == {
+      (2, "mxfp4"), (2, "nvfp4"), (4, "mxfp4"), (4, "nvfp4")}
+  assert len(rows) == 2 * (len(_rows((2,))) + len(_rows((4,))))
 
 
 @pytest.mark.parametrize("flag,message", [
     ("--depths=4,x", "--depths='4,x'"), ("--depths=0,4", "every depth must be >= 1"),
-    ("--family=nope", "no configs/nope.py"), ("--max_new_tokens=0", "--max_new_tokens must be")])
+    ("--family=nope", "no configs/nope.py"), ("--max_new_tokens=0", "--max_new_tokens must be"),
+    ("--precisions=mxfp4,fp3", "--precisions='mxfp4,fp3': comma-separated rollout precisions")])
 def test_bad_arguments_are_named(tmp_path, capsys, flag, message):
   with pytest.raises(SystemExit):
     sweep.main([f"--out={tmp_path}", flag])
