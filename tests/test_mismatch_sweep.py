@@ -104,3 +104,21 @@ def test_quick_sweep_end_to_end(tmp_path):
       assert r["mismatch/flip_rate"] > 0.0, r
   for name in sweep.FIGURES:
     assert os.path.getsize(out / name) > 1000, name
+
+
+def test_the_committed_h200_sweep_redraws_from_its_rows(tmp_path):
+  """experiments/results/mismatch_sweep_h200: its figures are the ones --figures_only draws
+  from its rows.jsonl alone, and records=all with routing replay flipped no code there."""
+  committed = os.path.join(sweep.ROOT, "experiments", "results", "mismatch_sweep_h200")
+  rows = sweep.read_rows(committed)
+  assert rows, committed
+  assert sorted(f for f in os.listdir(committed) if f.endswith(".png")) == sorted(sweep.FIGURES)
+  out = tmp_path / "redraw"
+  out.mkdir()
+  with open(out / sweep.ROWS, "w") as fh:
+    fh.writelines(json.dumps(r) + "\n" for r in rows)
+  sweep.main([f"--out={out}", "--figures_only"])
+  for name in sweep.FIGURES:
+    assert os.path.getsize(out / name) > 1000, name
+  replayed_all = [r for r in rows if r["records"] == "all" and r["routing_replay"]]
+  assert replayed_all and all(r["mismatch/flip_rate"] == 0.0 for r in replayed_all)
