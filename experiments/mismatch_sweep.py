@@ -18,7 +18,7 @@ flip rates per site and layer, KL and flip rate by response-position bucket) wit
 `records_of` (the guidance as a share of depth: none, last:1, L/4, L/2, all), appended as each
 (depth, precision) finishes; one already in it is skipped, so a stopped sweep loses at most the
 probe it was in. The figures, drawn from rows.jsonl alone: kl_by_depth.png, flips_by_depth.png
-(flip rate at the sites of every layer), kl_by_position.png (the deepest depth).
+(flip rate at the sites of every layer), kl_by_position.png (each precision's deepest depth).
 """
 
 from __future__ import annotations
@@ -107,6 +107,11 @@ def sweep_depth(args, n_layers: int, precision: str, log=print) -> list[dict]:
   return rows
 
 
+def deepest(rows: list[dict], precision: str) -> int:
+  """The largest depth swept at a rollout precision (the position figure's, per panel)."""
+  return max(r["layers"] for r in rows if r["rollout_quant"] == precision)
+
+
 def _by(rows, **match):
   return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
 
@@ -145,17 +150,19 @@ def draw(rows: list[dict], out: str) -> list[str]:
     fig.savefig(paths[-1], dpi=90)
     plt.close(fig)
 
-  deepest = depths[-1]
   fig, axes = plt.subplots(1, len(precisions), figsize=(5 * len(precisions), 3.6), squeeze=False)
   for ax, precision in zip(axes[0], precisions):
-    for row in _by(rows, rollout_quant=precision, layers=deepest, routing_replay=False):
+    n_layers = deepest(rows, precision)
+    buckets = 0
+    for row in _by(rows, rollout_quant=precision, layers=n_layers, routing_replay=False):
       kl = row["mismatch/kl_k3_by_position"]
+      buckets = max(buckets, len(kl))
       pts = [(i, v) for i, v in enumerate(kl) if v is not None]
       if pts:
         ax.plot(*zip(*pts), marker="o", color=f"C{SHARES.index(row['records_of'])}",
                 label=f"records {row['records_of']}")
-    ax.set(title=f"{precision}, {deepest} layers, replay off",
-           xlabel=f"response position bucket (of {len(kl)})", ylabel="KL k3")
+    ax.set(title=f"{precision}, {n_layers} layers, replay off",
+           xlabel=f"response position bucket (of {buckets})", ylabel="KL k3")
     ax.set_yscale("symlog", linthresh=1e-6)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=6)

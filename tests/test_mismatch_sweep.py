@@ -122,3 +122,16 @@ def test_the_committed_h200_sweep_redraws_from_its_rows(tmp_path):
     assert os.path.getsize(out / name) > 1000, name
   replayed_all = [r for r in rows if r["records"] == "all" and r["routing_replay"]]
   assert replayed_all and all(r["mismatch/flip_rate"] == 0.0 for r in replayed_all)
+
+
+def test_position_figure_takes_each_precisions_own_deepest_depth(tmp_path):
+  """A precision swept to fewer depths than another still gets its panel (its own deepest
+  depth), whichever precision sorts first."""
+  import warnings
+  rows = ([dict(r, rollout_quant="mxfp4") for r in _rows((2,))]
+          + [dict(r, rollout_quant="nvfp4") for r in _rows((2, 4))])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # an empty panel warns (a legend with nothing in it)
+    paths = sweep.draw(rows, str(tmp_path))
+  assert sorted(os.path.basename(p) for p in paths) == sorted(sweep.FIGURES)
+  assert sweep.deepest(rows, "mxfp4") == 2 and sweep.deepest(rows, "nvfp4") == 4
