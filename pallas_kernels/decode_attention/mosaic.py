@@ -54,8 +54,8 @@ def _head_words(ref, hi, n):
   memory -> ceil(n / 4) [64] int32 vectors in the row layout, byte 4w + j of the head at bits
   8j..8j+7 of word w. Only the `width`-column tiles that hold them are loaded, width = C / 2
   (at least 8; narrower loads of these rows conflict on shared-memory banks, which Mosaic
-  refuses); each word is one masked sum along its tile's rows (exact: the bytes, shifted into
-  place, do not overlap), so four bytes cost one row reduction."""
+  refuses); each word is one masked sum along each row of its tile (exact: the bytes, shifted
+  into place, do not overlap), so four bytes cost one reduction across the threads of a row."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   wgmma = plgpu.Layout.WGMMA
   width = max(8, ref.shape[1] // 2)
