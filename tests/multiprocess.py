@@ -9,6 +9,7 @@ hang CI. SIGKILL, since a run takes SIGTERM as a request to stop after its step.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,10 +30,14 @@ def env(devices: int) -> dict:
 
 class Processes:
   """`python args... --config.dist.*` started once per process (`extra[i]`: more arguments for
-  process i); `wait` collects them. With `dist=False` (one process) no jax.distributed at all."""
+  process i); `wait` collects them. With `dist=False` (one process) no jax.distributed at all.
+
+  `heartbeat_s` is how long the service waits for a silent process before it stops them all:
+  a minute by default, since on a loaded two-core machine three processes that compile at
+  once can starve a heartbeat thread for ten seconds; a test of failure sets it shorter."""
 
   def __init__(self, args: list[str], n: int = 2, devices: int = 4, dist: bool = True,
-               heartbeat_s: int = 10, extra: list[list[str]] | None = None):
+               heartbeat_s: int = 60, extra: list[list[str]] | None = None):
     port = portpicker.pick_unused_port()
     self.outs, self.procs = [], []
     for i in range(n):
@@ -78,11 +83,18 @@ class Processes:
     return results
 
 
+def why(text: str, tail: int = 1500) -> str:
+  """A failed process's output for an assertion message: the error lines of JAX's C++ logs
+  (`E...`/`F...`, where a process that aborts says why, above its stack trace) and the tail."""
+  errors = [line for line in text.splitlines() if re.match(r"[EF]\d{4} ", line)]
+  return "\n".join(errors[-8:] + ["...", text[-tail:]])
+
+
 def run(args: list[str], n: int = 2, devices: int = 4, timeout_s: float = 600,
         **kw) -> list[str]:
   """Runs them to the end; -> each process's output. Fails naming the first that failed."""
   procs = Processes(args, n, devices, **kw)
   results = procs.wait(timeout_s)
   for i, (code, text) in enumerate(results):
-    assert code == 0, f"process {i} of {n} exited {code}:\n{text[-4000:]}"
+    assert code == 0, f"process {i} of {n} exited {code}:\n{why(text, 4000)}"
   return [text for _, text in results]

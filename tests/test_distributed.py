@@ -44,7 +44,7 @@ def test_the_probe_in_two_processes_gives_the_rows_of_one_with_eight_devices(tmp
   c.update(dict(PROBE, mesh=dict(data=2, expert=4)))
   want = mismatch.run(c, log=lambda *_: None)
   (code0, text0), (code1, text1) = procs.wait(timeout_s=300)
-  assert code0 == 0 and code1 == 0, (text0[-3000:], text1[-3000:])
+  assert (code0, code1) == (0, 0), f"exit {code0}:\n{mp.why(text0)}\n\nexit {code1}:\n{mp.why(text1)}"
   got = [json.loads(line) for line in out.read_text().splitlines()]
   assert len(got) == 2 and comparable(got) == comparable(want)
   assert "8 devices in 2 processes" in text0 and '"mismatch/kl_k3"' in text0
@@ -95,7 +95,7 @@ def test_rl_in_two_processes_runs_stops_and_resumes_as_one(tmp_path):
     time.sleep(0.1)
   procs.signal(1, signal.SIGTERM)
   (code0, text0), (code1, text1) = procs.wait(timeout_s=600, ok=(0, 128 + signal.SIGTERM))
-  assert code0 == code1 == 128 + signal.SIGTERM, (text0[-3000:], text1[-3000:])
+  assert code0 == code1 == 128 + signal.SIGTERM, f"{mp.why(text0)}\n\n{mp.why(text1)}"
   assert "interrupted by SIGTERM: the newest checkpoint is step" in text0
   assert "interrupted" not in text1  # process 0 speaks for the run
   stopped = len(read_metrics(str(two)))
