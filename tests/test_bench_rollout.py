@@ -22,7 +22,7 @@ def test_bench_rollout_variant_names():
       parse(bad)
 
 
-@pytest.mark.parametrize("precision,kernels", [("mxfp4", "pallas"), ("nvfp4", "xla"),
+@pytest.mark.parametrize("precision,kernels", [("mxfp4", "pallas"), pytest.param("nvfp4", "xla", marks=pytest.mark.slow),
                                                ("bf16", "xla")])
 def test_random_weights_are_the_weight_syncs_layout(precision, kernels):
   """The benchmark's random rollout weights, made without master params, have the structure,

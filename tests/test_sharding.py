@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake CP
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [3], [5, 5, 5, 5], [9, 8], [7, 7, 7], [1, 1]]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=pytest.mark.slow), "mxfp4"])
 def test_rollout_and_training_sharded_match_one_device(precision):
   cfg = tiny()
   params = init_params(cfg, jax.random.PRNGKey(0))
