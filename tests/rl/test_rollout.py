@@ -200,7 +200,9 @@ def _kernel_rollouts(precision, max_new_tokens=6):
   return out
 
 
-@pytest.mark.parametrize("precision", ["mxfp4", pytest.param("nvfp4", marks=pytest.mark.slow), "bf16"])  # nvfp4's kernels: tests/pallas_kernels
+# nvfp4 in the slow run: its kernels are compared with the reference in tests/pallas_kernels
+@pytest.mark.parametrize("precision",
+                         ["mxfp4", pytest.param("nvfp4", marks=pytest.mark.slow), "bf16"])
 def test_pallas_kernels_compute_what_xla_computes(precision):
   """kernels="pallas", weights packed for the kernels (interpret mode here, the Triton kernels
   on the packed weights; compiled on a Hopper GPU, the Mosaic FP4 kernels on the tiled ones):
