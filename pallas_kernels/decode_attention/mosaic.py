@@ -36,6 +36,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.decode_attention import kernel
@@ -82,6 +83,116 @@ def _head_bytes(ref, hi, n):
   return [(words[j // 4] >> (8 * (j % 4))) & 0xFF for j in range(n)]
 
 
+# V^T from registers (MXFP4, head_dim a multiple of 128). Each warp loads its rows of V^T with
+# `ldmatrix.trans`, which hands every thread the two bytes of one codes column at two
+# consecutive slots: the pair of slots (s, s + 1) that one A-operand register holds. Warp w of
+# the warpgroup takes the 16 code bytes (32 head_dim entries: one MXFP4 block) at byte
+# 16 (4 pi + w) of each slot's row, for the pi-th pair of 64-row tiles of O^T; its thread t gets
+# head_dim entries 128 pi + 32 w + 4 (t // 4) + n, n = 0..3 (the low and high nibbles of two
+# bytes), and places entry n in tile 2 pi + n // 2, row 16 w + t // 4 + 8 (n % 2): the row
+# layout of wgmma's A operand. So O^T's rows come out in the order `v_rows` gives, undone by the
+# wrapper. The block scale of a warp's rows is one per slot (the block is the warp's), applied
+# in the decode as a bf16 pair of two slots' scales.
+_V_LDMATRIX = ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+               "=r,=r,=r,=r,r")
+
+
+def _v_pair_asm(sel: str) -> str:
+  """PTX: one register of four codes bytes (two slots x two bytes, as ldmatrix.trans gives
+  them) and a bf16 pair of the two slots' scales -> the scaled bf16 pairs of the low and of the
+  high nibbles of the two bytes `sel` picks (bytes 0 and 2: "0x2404"; 1 and 3: "0x3414"), one
+  slot a half. The steps are the matmul's `kernel.E2M1_PAIR_ASM`, its byte permute shared by
+  both nibbles."""
+  return ("{\n .reg .b32 d, t, u, z, bias, nz;\n mov.b32 z, 0;\n mov.b32 bias, 0x7E807E80;\n"
+          " mov.b32 nz, 0x80008000;\n"
+          f"  prmt.b32 d, $2, z, {sel};\n"
+          "  shl.b32 u, d, 4;\n  and.b32 u, u, 0x80008000;\n  shr.b32 t, d, 2;\n"
+          "  and.b32 t, t, 0x01C001C0;\n  or.b32 u, u, t;\n  fma.rn.bf16x2 u, u, bias, nz;\n"
+          "  fma.rn.bf16x2 $0, u, $3, nz;\n"
+          "  and.b32 u, d, 0x80008000;\n  shr.b32 t, d, 6;\n  and.b32 t, t, 0x01C001C0;\n"
+          "  or.b32 u, u, t;\n  fma.rn.bf16x2 u, u, bias, nz;\n  fma.rn.bf16x2 $1, u, $3, nz;\n}")
+
+
+V_PAIR_ASM = {"0x2404": _v_pair_asm("0x2404"), "0x3414": _v_pair_asm("0x3414")}
+
+
+def v_in_registers(fmt: str, head_dim: int) -> bool:
+  """Whether the kernel takes V^T into wgmma from registers (MXFP4, head_dim a multiple of
+  128) rather than decoding V's block to shared memory first."""
+  return fmt == "mxfp4" and head_dim % 128 == 0
+
+
+def v_rows(head_dim: int):
+  """The head_dim entry of each row of O^T (tiles of 64 rows, in order) when V^T comes from
+  registers (`v_in_registers`)."""
+  rho = np.arange(64)
+  return np.concatenate([128 * (m // 2) + 32 * (rho // 16) + 4 * (rho % 8) + 2 * (m % 2)
+                         + (rho % 16) // 8 for m in range(head_dim // 64)])
+
+
+def _v_operands(codes_ref, scales_ref, head_dim):
+  """A block's V^T as wgmma A operands from registers: codes [64 slots, head_dim / 2] and this
+  kv head's scale columns ([64, head_dim / 32] of the slots' rows of bytes) in shared memory ->
+  head_dim / 64 bf16 tiles [64, 64] in the WGMMA layout (rows in `v_rows` order, columns the
+  slots)."""
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mu
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, llvm
+
+  wgmma = plgpu.Layout.WGMMA
+  tiles = head_dim // 64
+  out = plgpu.ShapeDtypeStruct((64, BLOCK_S), jnp.bfloat16, wgmma)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                     return_type=tuple(out for _ in range(tiles)))
+  def operands(_, codes, scales):
+    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    c = lambda v: mu.c(v, i32)
+    tid = mu.thread_idx()
+    if isinstance(tid.type, ir.IndexType):  # an index on some jax versions
+      tid = arith.index_cast(i32, tid)
+    lane = arith.andi(tid, c(31))
+    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+    codes_row = ir.MemRefType(codes.type).get_strides_and_offset()[0][0]
+    scales_row = ir.MemRefType(scales.type).get_strides_and_offset()[0][0]
+    codes_ptr, scales_ptr = mu.memref_ptr(codes), mu.memref_ptr(scales)
+    shape = mgpu.WGMMA_LAYOUT.registers_shape((64, BLOCK_S))
+    regs = [np.empty(shape, dtype=object) for _ in range(tiles)]
+    quad = arith.shli(arith.andi(lane, c(3)), c(1))  # 2 (t % 4): the thread's first slot
+    struct2 = llvm.StructType.get_literal([i32, i32])
+    struct4 = llvm.StructType.get_literal([i32] * 4)
+    for pi in range(tiles // 2):
+      col = arith.shli(arith.addi(warp, c(4 * pi)), c(4))  # the warp's 16 code bytes
+      block = arith.addi(warp, c(4 * pi))  # and their scale block
+
+      def scale_byte(slot):
+        off = arith.addi(arith.muli(slot, c(scales_row)), block)
+        return arith.extui(i32, llvm.load(i8, mu.getelementptr(scales_ptr, [off], i8)))
+
+      for k in range(BLOCK_S // 32):
+        row = arith.addi(lane, c(32 * k))
+        addr = mu.getelementptr(codes_ptr, [arith.addi(arith.muli(row, c(codes_row)), col)], i8)
+        got = llvm.inline_asm(struct4, [addr], *_V_LDMATRIX, has_side_effects=True)
+        words = [llvm.extractvalue(i32, got, [q]) for q in range(4)]
+        for q, word in enumerate(words):
+          s0 = arith.addi(quad, c(32 * k + 8 * q))
+          scale = arith.ori(arith.shli(scale_byte(s0), c(7)),
+                            arith.shli(scale_byte(arith.addi(s0, c(1))), c(23)))
+          for b, sel in enumerate(("0x2404", "0x3414")):  # bytes 0, 2 then 1, 3: n = 2b + h
+            res = llvm.inline_asm(struct2, [word, scale], V_PAIR_ASM[sel], "=r,=r,r,r")
+            for h in range(2):
+              idx = [0] * len(shape)
+              idx[1], idx[4] = 4 * k + q, h
+              regs[2 * pi + b][tuple(idx)] = mu.bitcast(llvm.extractvalue(i32, res, [h]), pair)
+    return tuple(mgpu.FragmentedArray(_registers=r, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+                 for r in regs)
+
+  return operands(codes_ref, scales_ref)
+
+
 def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
           max_concurrent_steps):
   """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline."""
@@ -94,6 +205,8 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
   row_l, col_l = wgmma.reduce(1), wgmma.reduce(0)
   parts = 1 if fmt == "bf16" else 2  # the even and odd head_dim entries, or all of them
   width = head_dim // parts
+  v_regs = v_in_registers(fmt, head_dim)  # V^T from registers: O^T in 64-row tiles
+  o_parts, o_width = (head_dim // 64, 64) if v_regs else (parts, width)
   nb = head_dim // (32 if fmt == "mxfp4" else 16)  # scale blocks of a head's row
   chunks = head_dim // 2 // CHUNK
 
@@ -139,14 +252,20 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     # across the warpgroup a step
     l_rows = l_rows * jax.lax.broadcast_in_dim(alpha, s.shape, [1]) + p
     p_smem[...] = p.astype(jnp.bfloat16)
-    if fmt != "bf16":
+    if v_regs:
+      v_ops = _v_operands(v_smem[0], v_smem[1].at[:, pl.ds(hi * nb, nb)], head_dim)
+    elif fmt != "bf16":
       for j, pair in enumerate(decode(v_smem)):
         for nibbles, buf in zip(pair, v_bufs):
           buf[:, pl.ds(j * CHUNK, CHUNK)] = nibbles
     plgpu.commit_smem()
-    rescale = jax.lax.broadcast_in_dim(alpha, (width, ROWS), [1])
+    rescale = jax.lax.broadcast_in_dim(alpha, (o_width, ROWS), [1])
 
     def pv(acc_refs):
+      if v_regs:
+        for acc_ref, v_op in zip(acc_refs, v_ops):
+          plgpu.wgmma(acc_ref, v_op, p_smem)
+        return
       for acc_ref, v_ref in zip(acc_refs, v_bufs if fmt != "bf16" else v_smem):
         # .at[:]: a transformed ref, which transposes on every jax version
         plgpu.wgmma(acc_ref, v_ref.at[:].transpose((1, 0)), p_smem)
@@ -158,8 +277,8 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     """(m, l, o) of no slot: what a split past the sequence's end writes."""
     return (plgpu.layout_cast(jnp.full((ROWS,), _MASKED, jnp.float32), col_l),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), col_l),
-            tuple(plgpu.layout_cast(jnp.zeros((width, ROWS), jnp.float32), wgmma)
-                  for _ in range(parts)))
+            tuple(plgpu.layout_cast(jnp.zeros((o_width, ROWS), jnp.float32), wgmma)
+                  for _ in range(o_parts)))
 
   def run(q_smem, v_bufs, p_smem, barrier):
     for i, q_part in enumerate(q_smem):  # Q^T's even and odd rows (or all), once
@@ -184,7 +303,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
 
   scoped = dict(q_smem=[plgpu.SMEM((width, ROWS), jnp.bfloat16) for _ in range(parts)],
                 v_bufs=[plgpu.SMEM((BLOCK_S, width), jnp.bfloat16)
-                        for _ in range(parts if fmt != "bf16" else 0)],
+                        for _ in range(parts if fmt != "bf16" and not v_regs else 0)],
                 p_smem=plgpu.SMEM((BLOCK_S, ROWS), jnp.bfloat16),
                 barrier=plgpu.Barrier())
 
@@ -195,7 +314,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
                        l_smem=plgpu.SMEM((ROWS,), jnp.float32))
     def _(o_smem, m_smem, l_smem):
       for i, acc in enumerate(o):
-        o_smem[pl.ds(i * width, width)] = acc
+        o_smem[pl.ds(i * o_width, o_width)] = acc
       m_smem[...] = m
       l_smem[...] = l
       plgpu.commit_smem()
@@ -221,7 +340,8 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
   splits that start from it on read nothing), each cache as 3-D arrays of [B, S, bytes a slot]
   (bf16 [B, S, Kv x Dh]; codes [B, S, Kv x Dh/2], scales [B, S, Kv x Dh/block] bytes and
   NVFP4's globals [B, S, Kv x 4] bytes), the kv heads of a slot side by side ->
-  per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order), m and l
+  per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order, or in `v_rows` order
+  where V^T comes from registers), m and l
   [splits, B, Kv, 16]."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   _check(fmt)
@@ -312,6 +432,8 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
       q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, b, s),
       _slot_rows(v, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
   out = kernel.combine(jnp.swapaxes(o_t, -1, -2), m, l)[:, :, :g]
-  if fmt != "bf16":
+  if v_in_registers(fmt, dh):  # O^T's rows in `v_rows` order
+    out = out[..., np.argsort(v_rows(dh))]
+  elif fmt != "bf16":
     out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)
   return out.reshape(b, h, dh).astype(jnp.bfloat16)

@@ -152,11 +152,13 @@ def test_mosaic_kernel_lowers_for_cuda(fmt):
 
 def _emulated_partials(fmt):
   """`mosaic.decode_attention_partials` in jnp: the caches rebuilt from the kernel's arrays
-  (so their byte layout is checked too), head_dim in q's order, per split o^T, m and l."""
+  (so their byte layout is checked too), head_dim in q's order (o^T's in `v_rows` order where
+  V^T comes from registers), per split o^T, m and l."""
+  from pallas_kernels.decode_attention import mosaic
   from trace_jax.quant import QArray
   fmt_obj = {"mxfp4": MXFP4, "nvfp4": NVFP4}.get(fmt)
 
-  def cache(arrays, b, s, kv):
+  def cache(arrays, b, s, kv, v=False):
     if fmt_obj is None:
       return arrays[0].reshape(b, s, kv, -1).astype(jnp.float32)
     g = None
@@ -166,12 +168,14 @@ def _emulated_partials(fmt):
                           scales=arrays[1].reshape(b, s, kv, -1), global_scale=g,
                           fmt=fmt_obj, axis=3))
     x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    if v and mosaic.v_in_registers(fmt, x.shape[-1]):  # O^T's rows in `v_rows` order
+      return x[..., mosaic.v_rows(x.shape[-1])]
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
   def partials(q_t, mask, end, k_arrays, v_arrays, *, fmt, splits, max_concurrent_steps):
     b, kv, dh, rows = q_t.shape
     s = mask.shape[1]
-    k, v = cache(k_arrays, b, s, kv), cache(v_arrays, b, s, kv)
+    k, v = cache(k_arrays, b, s, kv), cache(v_arrays, b, s, kv, v=True)
     sc = jnp.einsum("bhdr,bshd->bhrs", q_t.astype(jnp.float32), k) * dh**-0.5
     sc = jnp.where(mask[:, None, None, :] != 0, sc, -1e30).reshape(b, kv, rows, splits, -1)
     m = jnp.max(sc, axis=-1)
@@ -184,6 +188,44 @@ def _emulated_partials(fmt):
     return jnp.where(r[..., None], o, 0.0), jnp.where(r, m, -1e30), jnp.where(r, l, 0.0)
 
   return partials
+
+
+def test_v_operands_hold_v_transposed_in_v_rows_order():
+  """The registers `mosaic._v_operands` fills, modelled thread by thread from the PTX's own
+  definitions (ldmatrix.trans: of each 8 x 8 matrix of 16-bit words, thread t gets rows
+  2 (t % 4) and 2 (t % 4) + 1 of column t // 4; the decode's asm emulated), are V^T: tile m's
+  (row, slot) element, where the WGMMA layout puts it, is V's value at that slot and at head_dim
+  entry `v_rows`[64 m + row], scaled by its block's scale."""
+  from pallas_kernels.decode_attention import mosaic
+  from tests.pallas_kernels import ptx_emu
+  dh, slots = 128, mosaic.BLOCK_S
+  rng = np.random.default_rng(0)
+  codes = rng.integers(0, 256, (slots, dh // 2), dtype=np.uint8)
+  scales = rng.integers(100, 156, (slots, dh // 32), dtype=np.uint8)
+  nib = np.stack([codes & 15, codes >> 4], axis=-1).reshape(slots, dh)  # low nibble: even entry
+  mag = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+  values = np.where(nib & 8, -1, 1) * mag[nib & 7] * 2.0 ** (
+      np.repeat(scales.astype(np.int64), 32, axis=1) - 127)
+  tiles = np.full((dh // 64, 64, slots), np.nan)
+  for w in range(4):
+    for lane in range(32):
+      for pi in range(dh // 128):
+        col = 16 * (4 * pi + w)  # the warp's 16 code bytes; its block 4 pi + w
+        for k in range(slots // 32):
+          for q in range(4):
+            r0, j = 32 * k + 8 * q + 2 * (lane % 4), lane // 4
+            b = codes[[r0, r0, r0 + 1, r0 + 1], [col + 2 * j, col + 2 * j + 1] * 2]
+            word = int(b[0]) | int(b[1]) << 8 | int(b[2]) << 16 | int(b[3]) << 24
+            scale = int(scales[r0, 4 * pi + w]) << 7 | int(scales[r0 + 1, 4 * pi + w]) << 23
+            for half, sel in enumerate(("0x2404", "0x3414")):
+              for h, reg in enumerate(ptx_emu.run(mosaic.V_PAIR_ASM[sel], 2, [word, scale])):
+                row, slot = 16 * w + lane // 4 + 8 * h, 8 * (4 * k + q) + 2 * (lane % 4)
+                for e in range(2):  # the register's low half: the lower column
+                  tiles[2 * pi + half, row, slot + e] = ptx_emu.bf16_bits_to_f32(
+                      reg >> (16 * e) & 0xFFFF)
+  want = values[:, mosaic.v_rows(dh)].T.reshape(dh // 64, 64, slots)
+  np.testing.assert_array_equal(tiles, want)
+  assert sorted(mosaic.v_rows(dh)) == list(range(dh))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
