@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.decode_attention import kernel
 from pallas_kernels.decode_attention.cache import cache_arrays, cache_format, default_splits
 from pallas_kernels.decode_attention.kernel import _MASKED
+from pallas_kernels.fp4_matmul.kernel import e2m1_nibbles_asm
 from pallas_kernels.fp4_matmul.mosaic import _decode_asm, _load, _scale_row
 
 CHUNK = 32  # code bytes (64 head_dim values) a decode and its two instructions take
@@ -97,23 +98,10 @@ _V_LDMATRIX = ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3},
                "=r,=r,=r,=r,r")
 
 
-def _v_pair_asm(sel: str) -> str:
-  """PTX: one register of four codes bytes (two slots x two bytes, as ldmatrix.trans gives
-  them) and a bf16 pair of the two slots' scales -> the scaled bf16 pairs of the low and of the
-  high nibbles of the two bytes `sel` picks (bytes 0 and 2: "0x2404"; 1 and 3: "0x3414"), one
-  slot a half. The steps are the matmul's `kernel.E2M1_PAIR_ASM`, its byte permute shared by
-  both nibbles."""
-  return ("{\n .reg .b32 d, t, u, z, bias, nz;\n mov.b32 z, 0;\n mov.b32 bias, 0x7E807E80;\n"
-          " mov.b32 nz, 0x80008000;\n"
-          f"  prmt.b32 d, $2, z, {sel};\n"
-          "  shl.b32 u, d, 4;\n  and.b32 u, u, 0x80008000;\n  shr.b32 t, d, 2;\n"
-          "  and.b32 t, t, 0x01C001C0;\n  or.b32 u, u, t;\n  fma.rn.bf16x2 u, u, bias, nz;\n"
-          "  fma.rn.bf16x2 $0, u, $3, nz;\n"
-          "  and.b32 u, d, 0x80008000;\n  shr.b32 t, d, 6;\n  and.b32 t, t, 0x01C001C0;\n"
-          "  or.b32 u, u, t;\n  fma.rn.bf16x2 u, u, bias, nz;\n  fma.rn.bf16x2 $1, u, $3, nz;\n}")
-
-
-V_PAIR_ASM = {"0x2404": _v_pair_asm("0x2404"), "0x3414": _v_pair_asm("0x3414")}
+# one register of four codes bytes (two slots x two bytes, as ldmatrix.trans gives them) and a
+# bf16 pair of the two slots' scales -> the scaled bf16 pairs of the low and of the high nibbles
+# of bytes 0 and 2 (the first byte of each slot) or 1 and 3, one slot a half
+V_PAIR_ASM = {sel: e2m1_nibbles_asm(sel) for sel in ("0x2404", "0x3414")}
 
 
 def v_in_registers(fmt: str, head_dim: int) -> bool:

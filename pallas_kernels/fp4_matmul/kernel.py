@@ -93,11 +93,28 @@ def _e2m1_asm(nibble: str, f32_scales: bool, pairs: int = 2) -> str:
           " mov.b32 nz, 0x80008000;\n" + body + "}")
 
 
+def e2m1_nibbles_asm(sel: str = "0x1404", f32_scales: bool = False) -> str:
+  """Both nibbles of two codes bytes in one asm, the byte permute shared: outputs $0 (the low
+  nibbles' bf16 pair) and $1 (the high nibbles'); inputs $2, a word of codes bytes, of which
+  `sel` picks two into the halves' high bytes ("0x1404": bytes 0 and 1, the Mosaic matmul's
+  pairs; "0x2404" / "0x3414": bytes 0 and 2 / 1 and 3), then the scales (one bf16 pair, the
+  halves' own; or two float32, one a half). The steps of `_PAIR` and the scale's, per nibble."""
+  per = 2 if f32_scales else 1
+  scale = _SCALE_F32 if f32_scales else _SCALE_BF16
+  s = tuple(f"${3 + i}" for i in range(per))
+  body = ""
+  for out, (sign, shift) in enumerate((("shl.b32 u, d, 4;", 2), ("mov.b32 u, d;", 6))):
+    pair = _PAIR.format(codes="$2", sel=sel, sign=sign, shift=shift)
+    if out:  # the permuted word is the first nibble's too
+      pair = pair.replace(f"  prmt.b32 d, $2, z, {sel};\n", "")
+    body += pair + scale.format(out=f"${out}", s=s)
+  regs = "d, t, u, z, bias, nz" + (", f0, f1" if f32_scales else "")
+  return ("{\n .reg .b32 " + regs + ";\n mov.b32 z, 0;\n mov.b32 bias, 0x7E807E80;\n"
+          " mov.b32 nz, 0x80008000;\n" + body + "}")
+
+
 E2M1_ASM = {"lo": _e2m1_asm("lo", False), "hi": _e2m1_asm("hi", False)}
 E2M1_NV_ASM = {"lo": _e2m1_asm("lo", True), "hi": _e2m1_asm("hi", True)}
-# One pair of codes bytes (16 bits) an instance: the Mosaic kernel's registers (`mosaic.py`).
-E2M1_PAIR_ASM = {"lo": _e2m1_asm("lo", False, 1), "hi": _e2m1_asm("hi", False, 1)}
-E2M1_NV_PAIR_ASM = {"lo": _e2m1_asm("lo", True, 1), "hi": _e2m1_asm("hi", True, 1)}
 
 
 def e2m1_pair_asm(codes_u8, scale):

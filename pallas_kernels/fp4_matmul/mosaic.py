@@ -38,11 +38,12 @@ from jax.experimental import pallas as pl
 
 import numpy as np
 
-from pallas_kernels.fp4_matmul.kernel import (E2M1_NV_PAIR_ASM, E2M1_PAIR_ASM, e2m1_bf16,
-                                              e4m3_f32)
+from pallas_kernels.fp4_matmul.kernel import e2m1_bf16, e2m1_nibbles_asm, e4m3_f32
 from pallas_kernels.fp4_matmul.layout import CHUNK, ROWS, TiledFP4
 from pallas_kernels.fp4_matmul.tiling import default_splits, tile_rows
 
+# one 16-bit pair of codes bytes -> the bf16 pairs of its low and of its high nibbles, scaled
+E2M1_NIBBLES_ASM = {"mxfp4": e2m1_nibbles_asm(), "nvfp4": e2m1_nibbles_asm(f32_scales=True)}
 TOKEN_GROUP = 32  # tokens (wgmma N) an accumulator: bf16 rows of 64 bytes, K steps of 32
 MAX_M = 256  # tokens a dense call multiplies at once (accumulators: M / 2 registers a thread)
 
@@ -67,9 +68,10 @@ def _decode_asm(tiles, rows, fmt):
   """uint8 codes tiles ([64, CHUNK] each, consecutive along K) in the A operand's layout and
   the scale rows of their blocks ([64] each, `_scale_row`) -> the bf16 values of the low and of
   the high nibbles, [64, CHUNK x tiles] each (the tiles side by side), by the PTX of the Triton
-  kernels (`kernel.E2M1_PAIR_ASM`: ~3.75 instructions a value, exact). Each register holds two
-  codes bytes of one row; which block's scale it takes is fixed by its place in the layout
-  (WGMMA: [64, 8]-column tiles, rows r and r + 8 a thread), so no select."""
+  kernels, both nibbles of a pair of bytes in one asm (`E2M1_NIBBLES_ASM`: ~3.5 instructions a
+  value, exact). Each register holds two codes bytes of one row; which block's scale it takes
+  is fixed by its place in the layout (WGMMA: [64, 8]-column tiles, rows r and r + 8 a thread),
+  so no select."""
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -93,24 +95,25 @@ def _decode_asm(tiles, rows, fmt):
       scale_regs = [[arith.ori(arith.extui(i32, r), arith.shli(arith.extui(i32, r),
                                                                mgpu_utils.c(16, i32)))
                      for r in regs] for regs in scale_regs]
-    asm, constraints = ((E2M1_PAIR_ASM, "=r,r,r") if fmt == "mxfp4"
-                        else (E2M1_NV_PAIR_ASM, "=r,r,r,r"))
-    halves = []
-    for nibble in ("lo", "hi"):
-      parts = []
-      for t, codes in enumerate(tiles):
-        regs = np.empty_like(codes.registers)
-        for idx, reg in np.ndenumerate(codes.registers):
-          col_tile, row_half = idx[1], idx[4]  # registers_shape (1, C/8, 1, 1, 2, 1, 1, 1, 1)
-          s = scale_regs[(t * (CHUNK // 8) + col_tile) // cols_per_block][row_half]
-          code = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
-          operands = [code, s] if fmt == "mxfp4" else [code, s, s]
-          regs[idx] = mgpu_utils.bitcast(
-              llvm.inline_asm(i32, operands, asm[nibble], constraints), pair)
-        parts.append(regs)
-      halves.append(mgpu.FragmentedArray(_registers=np.concatenate(parts, axis=1),
-                                         _layout=tiles[0].layout, _is_signed=None))
-    return tuple(halves)
+    asm = E2M1_NIBBLES_ASM[fmt]
+    constraints = "=r,=r,r,r" if fmt == "mxfp4" else "=r,=r,r,r,r"
+    struct = llvm.StructType.get_literal([i32, i32])
+    parts = {"lo": [], "hi": []}
+    for t, codes in enumerate(tiles):
+      regs = {"lo": np.empty_like(codes.registers), "hi": np.empty_like(codes.registers)}
+      for idx, reg in np.ndenumerate(codes.registers):
+        col_tile, row_half = idx[1], idx[4]  # registers_shape (1, C/8, 1, 1, 2, 1, 1, 1, 1)
+        s = scale_regs[(t * (CHUNK // 8) + col_tile) // cols_per_block][row_half]
+        code = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
+        operands = [code, s] if fmt == "mxfp4" else [code, s, s]
+        both = llvm.inline_asm(struct, operands, asm, constraints)
+        for i, nibble in enumerate(("lo", "hi")):
+          regs[nibble][idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [i]), pair)
+      for nibble in parts:
+        parts[nibble].append(regs[nibble])
+    return tuple(mgpu.FragmentedArray(_registers=np.concatenate(parts[nibble], axis=1),
+                                      _layout=tiles[0].layout, _is_signed=None)
+                 for nibble in ("lo", "hi"))
 
   return decode(tuple(tiles), tuple(rows))
 

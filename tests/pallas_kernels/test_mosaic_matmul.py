@@ -73,22 +73,27 @@ def test_pipeline_fits_shared_memory(m):
     assert 3 <= steps <= 4 and steps * stage + 64 * min(m, 32) * 4 <= mosaic.SMEM_BYTES
 
 
-def test_pair_asm_is_the_triton_decode_of_two_bytes():
-  """The Mosaic kernel's one-pair PTX (`E2M1_PAIR_ASM`, emulated) gives the bits of the four-byte
-  one the Triton kernels run (checked bit for bit in test_fp4_matmul) for codes bytes 0 and 1."""
+def test_nibbles_asm_is_the_triton_decode_of_two_bytes():
+  """The Mosaic kernels' PTX (`E2M1_NIBBLES_ASM`: both nibbles of a pair of codes bytes, emulated)
+  gives the bits of the four-byte one the Triton kernels run (checked bit for bit in
+  test_fp4_matmul) for codes bytes 0 and 1, and `e2m1_nibbles_asm`'s other byte choices those
+  of bytes 0 and 2, 1 and 3."""
   rng = np.random.default_rng(2)
   with np.errstate(over="ignore", invalid="ignore"):  # random scale bits: Inf, NaN products
     for _ in range(300):
-      q = int(rng.integers(0, 1 << 16))
+      q = int(rng.integers(0, 1 << 32, dtype=np.uint64))
       bf = [int(v) for v in rng.integers(0, 1 << 16, 2)]
       f32 = [int(v) for v in rng.integers(0, 1 << 32, 2, dtype=np.uint64)]
-      for nibble in ("lo", "hi"):
-        pair_bf = ptx_emu.run(kernel.E2M1_PAIR_ASM[nibble], 1, [q, bf[0] | bf[0] << 16])
-        four_bf = ptx_emu.run(kernel.E2M1_ASM[nibble], 2, [q, bf[0] | bf[0] << 16, bf[1]])
-        assert pair_bf[0] == four_bf[0]
-        pair_nv = ptx_emu.run(kernel.E2M1_NV_PAIR_ASM[nibble], 1, [q, f32[0], f32[1]])
-        four_nv = ptx_emu.run(kernel.E2M1_NV_ASM[nibble], 2, [q, *f32, 0, 0])
-        assert pair_nv[0] == four_nv[0]
+      lo, hi = (ptx_emu.run(kernel.E2M1_ASM[n], 2, [q, bf[0] | bf[0] << 16, bf[1]])[0]
+                for n in ("lo", "hi"))
+      assert ptx_emu.run(mosaic.E2M1_NIBBLES_ASM["mxfp4"], 2,
+                         [q & 0xFFFF, bf[0] | bf[0] << 16]) == [lo, hi]
+      lo, hi = (ptx_emu.run(kernel.E2M1_NV_ASM[n], 2, [q, *f32, 0, 0])[0] for n in ("lo", "hi"))
+      assert ptx_emu.run(mosaic.E2M1_NIBBLES_ASM["nvfp4"], 2, [q & 0xFFFF, *f32]) == [lo, hi]
+      for sel, picked in (("0x2404", (0, 2)), ("0x3414", (1, 3))):
+        two = (q >> 8 * picked[0] & 0xFF) | (q >> 8 * picked[1] & 0xFF) << 8
+        want = ptx_emu.run(mosaic.E2M1_NIBBLES_ASM["mxfp4"], 2, [two, bf[0] | bf[1] << 16])
+        assert ptx_emu.run(kernel.e2m1_nibbles_asm(sel), 2, [q, bf[0] | bf[1] << 16]) == want
 
 
 @pytest.mark.parametrize("decode,m", [("asm", 3), ("jnp", 3), ("asm", 40), ("asm", 256),
