@@ -98,16 +98,18 @@ _V_LDMATRIX = ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3},
                "=r,=r,=r,=r,r")
 
 
-# one register of four codes bytes (two slots x two bytes, as ldmatrix.trans gives them) and a
-# bf16 pair of the two slots' scales -> the scaled bf16 pairs of the low and of the high nibbles
-# of bytes 0 and 2 (the first byte of each slot) or 1 and 3, one slot a half
-V_PAIR_ASM = {sel: e2m1_nibbles_asm(sel) for sel in ("0x2404", "0x3414")}
+# one register of four codes bytes (two slots x two bytes, as ldmatrix.trans gives them) and the
+# two slots' scales (MXFP4: a bf16 pair; NVFP4: two float32) -> the scaled bf16 pairs of the low
+# and of the high nibbles of bytes 0 and 2 (the first byte of each slot) or 1 and 3, one slot a
+# half
+V_PAIR_ASM = {fmt: {sel: e2m1_nibbles_asm(sel, fmt == "nvfp4") for sel in ("0x2404", "0x3414")}
+              for fmt in ("mxfp4", "nvfp4")}
 
 
 def v_in_registers(fmt: str, head_dim: int) -> bool:
-  """Whether the kernel takes V^T into wgmma from registers (MXFP4, head_dim a multiple of
+  """Whether the kernel takes V^T into wgmma from registers (FP4 caches, head_dim a multiple of
   128) rather than decoding V's block to shared memory first."""
-  return fmt == "mxfp4" and head_dim % 128 == 0
+  return fmt in ("mxfp4", "nvfp4") and head_dim % 128 == 0
 
 
 def v_rows(head_dim: int):
@@ -118,11 +120,11 @@ def v_rows(head_dim: int):
                          + (rho % 16) // 8 for m in range(head_dim // 64)])
 
 
-def _v_operands(codes_ref, scales_ref, head_dim):
+def _v_operands(codes_ref, scales_ref, head_dim, fmt):
   """A block's V^T as wgmma A operands from registers: codes [64 slots, head_dim / 2] and this
-  kv head's scale columns ([64, head_dim / 32] of the slots' rows of bytes) in shared memory ->
-  head_dim / 64 bf16 tiles [64, 64] in the WGMMA layout (rows in `v_rows` order, columns the
-  slots)."""
+  kv head's block scales, [blocks, 64 slots] (bf16 for MXFP4, float32 E4M3 x global for NVFP4,
+  what `_scale_row` makes), in shared memory -> head_dim / 64 bf16 tiles [64, 64] in the WGMMA
+  layout (rows in `v_rows` order, columns the slots)."""
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -132,6 +134,7 @@ def _v_operands(codes_ref, scales_ref, head_dim):
   wgmma = plgpu.Layout.WGMMA
   tiles = head_dim // 64
   out = plgpu.ShapeDtypeStruct((64, BLOCK_S), jnp.bfloat16, wgmma)
+  nv = fmt == "nvfp4"
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                      return_type=tuple(out for _ in range(tiles)))
@@ -145,20 +148,25 @@ def _v_operands(codes_ref, scales_ref, head_dim):
     lane = arith.andi(tid, c(31))
     warp = arith.andi(arith.shrui(tid, c(5)), c(3))
     codes_row = ir.MemRefType(codes.type).get_strides_and_offset()[0][0]
-    scales_row = ir.MemRefType(scales.type).get_strides_and_offset()[0][0]
     codes_ptr, scales_ptr = mu.memref_ptr(codes), mu.memref_ptr(scales)
     shape = mgpu.WGMMA_LAYOUT.registers_shape((64, BLOCK_S))
     regs = [np.empty(shape, dtype=object) for _ in range(tiles)]
     quad = arith.shli(arith.andi(lane, c(3)), c(1))  # 2 (t % 4): the thread's first slot
     struct2 = llvm.StructType.get_literal([i32, i32])
     struct4 = llvm.StructType.get_literal([i32] * 4)
+    asm = V_PAIR_ASM[fmt]
     for pi in range(tiles // 2):
       col = arith.shli(arith.addi(warp, c(4 * pi)), c(4))  # the warp's 16 code bytes
-      block = arith.addi(warp, c(4 * pi))  # and their scale block
+      if nv:  # 16-entry blocks: the thread's 4 entries in the first or second of the warp's two
+        block = arith.addi(arith.addi(arith.shli(warp, c(1)), arith.shrui(lane, c(4))),
+                           c(8 * pi))
+      else:  # one 32-entry block a warp
+        block = arith.addi(warp, c(4 * pi))
+      block_base = arith.muli(block, c(BLOCK_S))
 
-      def scale_byte(slot):
-        off = arith.addi(arith.muli(slot, c(scales_row)), block)
-        return arith.extui(i32, llvm.load(i8, mu.getelementptr(scales_ptr, [off], i8)))
+      def scale_word(slot):  # MXFP4: the bf16 pair of slot, slot + 1; NVFP4: slot's float32
+        off = arith.muli(arith.addi(block_base, slot), c(4 if nv else 2))
+        return llvm.load(i32, mu.getelementptr(scales_ptr, [off], i8))
 
       for k in range(BLOCK_S // 32):
         row = arith.addi(lane, c(32 * k))
@@ -167,10 +175,13 @@ def _v_operands(codes_ref, scales_ref, head_dim):
         words = [llvm.extractvalue(i32, got, [q]) for q in range(4)]
         for q, word in enumerate(words):
           s0 = arith.addi(quad, c(32 * k + 8 * q))
-          scale = arith.ori(arith.shli(scale_byte(s0), c(7)),
-                            arith.shli(scale_byte(arith.addi(s0, c(1))), c(23)))
+          if nv:
+            operands = [word, scale_word(s0), scale_word(arith.addi(s0, c(1)))]
+          else:
+            operands = [word, scale_word(s0)]
           for b, sel in enumerate(("0x2404", "0x3414")):  # bytes 0, 2 then 1, 3: n = 2b + h
-            res = llvm.inline_asm(struct2, [word, scale], V_PAIR_ASM[sel], "=r,=r,r,r")
+            res = llvm.inline_asm(struct2, operands, asm[sel],
+                                  "=r,=r" + ",r" * len(operands))
             for h in range(2):
               idx = [0] * len(shape)
               idx[1], idx[4] = 4 * k + q, h
@@ -215,7 +226,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     return [_decode_asm([_load(codes_smem.at[:, pl.ds(j * CHUNK, CHUNK)], wgmma)],
                         rows[j * per:(j + 1) * per], fmt) for j in range(chunks)]
 
-  def step(_, mask_smem, *cache_smem, q_smem, v_bufs, p_smem):
+  def step(_, mask_smem, *cache_smem, q_smem, v_bufs, vs_smem, p_smem):
     *cache_smem, carry = cache_smem
     m, l_rows, o = carry
     k_smem, v_smem = cache_smem[:n_cache], cache_smem[n_cache:]
@@ -240,13 +251,16 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     # across the warpgroup a step
     l_rows = l_rows * jax.lax.broadcast_in_dim(alpha, s.shape, [1]) + p
     p_smem[...] = p.astype(jnp.bfloat16)
-    if v_regs:
-      v_ops = _v_operands(v_smem[0], v_smem[1].at[:, pl.ds(hi * nb, nb)], head_dim)
+    if v_regs:  # V's scales, one row a block, from where each thread reads its slots' own
+      for b, row in enumerate(scale_rows(v_smem[1], v_smem[2] if fmt == "nvfp4" else None)):
+        vs_smem[b] = row
     elif fmt != "bf16":
       for j, pair in enumerate(decode(v_smem)):
         for nibbles, buf in zip(pair, v_bufs):
           buf[:, pl.ds(j * CHUNK, CHUNK)] = nibbles
-    plgpu.commit_smem()
+    plgpu.commit_smem()  # (a warpgroup barrier too)
+    if v_regs:
+      v_ops = _v_operands(v_smem[0], vs_smem, head_dim, fmt)
     rescale = jax.lax.broadcast_in_dim(alpha, (o_width, ROWS), [1])
 
     def pv(acc_refs):
@@ -268,7 +282,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
             tuple(plgpu.layout_cast(jnp.zeros((o_width, ROWS), jnp.float32), wgmma)
                   for _ in range(o_parts)))
 
-  def run(q_smem, v_bufs, p_smem, barrier):
+  def run(q_smem, v_bufs, vs_smem, p_smem, barrier):
     for i, q_part in enumerate(q_smem):  # Q^T's even and odd rows (or all), once
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, hi, pl.ds(i * width, width)], q_part, barrier)
       plgpu.barrier_wait(barrier)
@@ -281,7 +295,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     m0, _, o0 = empty()
     l_rows0 = plgpu.layout_cast(jnp.zeros((BLOCK_S, ROWS), jnp.float32), wgmma)
     m, l_rows, o = plgpu.emit_pipeline(
-        functools.partial(step, q_smem=q_smem, v_bufs=v_bufs, p_smem=p_smem),
+        functools.partial(step, q_smem=q_smem, v_bufs=v_bufs, vs_smem=vs_smem, p_smem=p_smem),
         grid=(steps,),
         in_specs=[plgpu.BlockSpec((None, BLOCK_S), lambda k: (bi, s0 + k)),
                   *cache_specs, *cache_specs],
@@ -292,6 +306,8 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
   scoped = dict(q_smem=[plgpu.SMEM((width, ROWS), jnp.bfloat16) for _ in range(parts)],
                 v_bufs=[plgpu.SMEM((BLOCK_S, width), jnp.bfloat16)
                         for _ in range(parts if fmt != "bf16" and not v_regs else 0)],
+                vs_smem=plgpu.SMEM((nb, BLOCK_S), jnp.float32 if fmt == "nvfp4"
+                                   else jnp.bfloat16) if v_regs else None,
                 p_smem=plgpu.SMEM((BLOCK_S, ROWS), jnp.bfloat16),
                 barrier=plgpu.Barrier())
 

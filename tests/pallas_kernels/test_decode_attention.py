@@ -190,41 +190,48 @@ def _emulated_partials(fmt):
   return partials
 
 
-def test_v_operands_hold_v_transposed_in_v_rows_order():
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=fmt_id)
+def test_v_operands_hold_v_transposed_in_v_rows_order(fmt):
   """The registers `mosaic._v_operands` fills, modelled thread by thread from the PTX's own
   definitions (ldmatrix.trans: of each 8 x 8 matrix of 16-bit words, thread t gets rows
-  2 (t % 4) and 2 (t % 4) + 1 of column t // 4; the decode's asm emulated), are V^T: tile m's
-  (row, slot) element, where the WGMMA layout puts it, is V's value at that slot and at head_dim
-  entry `v_rows`[64 m + row], scaled by its block's scale."""
+  2 (t % 4) and 2 (t % 4) + 1 of column t // 4; the decode's asm emulated) and from the scale
+  rows it reads ([block, slot]), are V^T: tile m's (row, slot) element, where the WGMMA layout
+  puts it, is the engine's dequantized V (XLA's, in bf16) at that slot and at head_dim entry
+  `v_rows`[64 m + row]."""
   from pallas_kernels.decode_attention import mosaic
+  from pallas_kernels.fp4_matmul.kernel import block_scale
   from tests.pallas_kernels import ptx_emu
-  dh, slots = 128, mosaic.BLOCK_S
-  rng = np.random.default_rng(0)
-  codes = rng.integers(0, 256, (slots, dh // 2), dtype=np.uint8)
-  scales = rng.integers(100, 156, (slots, dh // 32), dtype=np.uint8)
-  nib = np.stack([codes & 15, codes >> 4], axis=-1).reshape(slots, dh)  # low nibble: even entry
-  mag = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
-  values = np.where(nib & 8, -1, 1) * mag[nib & 7] * 2.0 ** (
-      np.repeat(scales.astype(np.int64), 32, axis=1) - 127)
+  dh, slots, nv = 128, mosaic.BLOCK_S, fmt is NVFP4
+  x = jax.random.normal(jax.random.PRNGKey(0), (slots, dh)) * jnp.exp(
+      jax.random.normal(jax.random.PRNGKey(1), (slots, 1)))
+  packed = quantize(x, fmt)
+  want = np.asarray(dequantize(packed).astype(jnp.bfloat16).astype(jnp.float32))
+  codes = np.asarray(packed.codes)
+  g = packed.global_scale if nv else None
+  # the scale rows the kernel keeps in shared memory: bf16 pairs (MXFP4), float32 (NVFP4)
+  rows = np.asarray(block_scale(packed.scales, fmt.name, g)).T  # [blocks, slots]
+  bits = rows.view(np.uint16 if not nv else np.uint32).astype(np.int64)
   tiles = np.full((dh // 64, 64, slots), np.nan)
   for w in range(4):
     for lane in range(32):
       for pi in range(dh // 128):
-        col = 16 * (4 * pi + w)  # the warp's 16 code bytes; its block 4 pi + w
+        col = 16 * (4 * pi + w)  # the warp's 16 code bytes
+        block = 8 * pi + 2 * w + lane // 16 if nv else 4 * pi + w
         for k in range(slots // 32):
           for q in range(4):
             r0, j = 32 * k + 8 * q + 2 * (lane % 4), lane // 4
             b = codes[[r0, r0, r0 + 1, r0 + 1], [col + 2 * j, col + 2 * j + 1] * 2]
             word = int(b[0]) | int(b[1]) << 8 | int(b[2]) << 16 | int(b[3]) << 24
-            scale = int(scales[r0, 4 * pi + w]) << 7 | int(scales[r0 + 1, 4 * pi + w]) << 23
+            scale = ([int(bits[block, r0]), int(bits[block, r0 + 1])] if nv
+                     else [int(bits[block, r0]) | int(bits[block, r0 + 1]) << 16])
             for half, sel in enumerate(("0x2404", "0x3414")):
-              for h, reg in enumerate(ptx_emu.run(mosaic.V_PAIR_ASM[sel], 2, [word, scale])):
+              regs = ptx_emu.run(mosaic.V_PAIR_ASM[fmt.name][sel], 2, [word, *scale])
+              for h, reg in enumerate(regs):
                 row, slot = 16 * w + lane // 4 + 8 * h, 8 * (4 * k + q) + 2 * (lane % 4)
                 for e in range(2):  # the register's low half: the lower column
                   tiles[2 * pi + half, row, slot + e] = ptx_emu.bf16_bits_to_f32(
                       reg >> (16 * e) & 0xFFFF)
-  want = values[:, mosaic.v_rows(dh)].T.reshape(dh // 64, 64, slots)
-  np.testing.assert_array_equal(tiles, want)
+  np.testing.assert_array_equal(tiles, want[:, mosaic.v_rows(dh)].T.reshape(dh // 64, 64, slots))
   assert sorted(mosaic.v_rows(dh)) == list(range(dh))
 
 
