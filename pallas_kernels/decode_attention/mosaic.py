@@ -1,4 +1,4 @@
-"""Pallas (Mosaic GPU lowering, Hopper) decode attention: K decoded into wgmma's A operand.
+"""Pallas (Mosaic GPU lowering, Hopper) decode attention: K and V decoded into wgmma's A operand.
 
 The Triton kernel (`kernel.py`) passes every decoded K and V tile through shared memory on its
 way into a matrix instruction. Here the scores are computed transposed,
@@ -13,9 +13,14 @@ the instruction's N. The softmax runs down the columns of S^T. Then
 
     O^T [Dh, q heads] = V^T [Dh, slots] P^T [slots, q heads]
 
-takes V^T from shared memory: the block's V is decoded in registers, stored to shared memory in
-bf16 and read transposed by wgmma, and P^T is stored next to it. A bf16 cache skips the decodes
-(K read by wgmma from shared memory). Grid (batch, kv head, split); each program walks its
+takes V^T from registers too, P^T from shared memory: each warp loads its 32 rows of V^T's codes
+(one MXFP4 block, two NVFP4 ones) with `ldmatrix.trans`, which gives each thread one codes byte
+pair at two consecutive slots, the two columns of an A-operand register, and decodes them there
+with the two slots' block scales (read from rows that the block's scale bytes are converted
+into once, in shared memory). Rows of O^T come out in the order `v_rows` gives and the wrapper
+puts them back. Where head_dim is not a multiple of 128 the block's V is decoded to shared
+memory instead and read transposed by wgmma. A bf16 cache skips the decodes (K and V read by
+wgmma from shared memory). Grid (batch, kv head, split); each program walks its
 split's slots in a pipeline of bulk copies (codes, scales, NVFP4's globals, the mask), keeping
 an online softmax in float32, and writes its unnormalized O^T with (m, l), combined outside as
 the Triton kernel's splits are (`kernel.combine`). A split that starts past its sequence's last
