@@ -1,7 +1,7 @@
 """Benchmark of decode attention over FP4 and bf16 KV caches, in one run.
 
     python -m pallas_kernels.decode_attention.bench [--out=DIR] [--batches=16,64]
-        [--contexts=2048,8192,32768] [--backends=triton,mosaic]
+        [--contexts=2048,8192,32768] [--backends=triton,mosaic] [--formats=bf16,mxfp4,nvfp4]
 
 qwen3_30b_a3b attention (32 query heads on 4 kv heads, head_dim 128), one query per sequence,
 every slot valid. Per (batch, context): XLA's bf16 attention (the reference), the project's
@@ -32,6 +32,7 @@ from trace_jax.quant import MXFP4, NVFP4, quantize
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 BATCHES = (16, 64)
 CONTEXTS = (2048, 8192, 32768)
+FORMATS = ("bf16", "mxfp4", "nvfp4")  # the caches: bf16 (the project's kernels and PyTorch's)
 CONFIGS = [dict(backend="triton", block_s=bs, num_warps=w, num_stages=st)
            for bs, w, st in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3)]] + [
            dict(backend="mosaic", max_concurrent_steps=n) for n in (2, 4, 6)]
@@ -66,7 +67,7 @@ def torch_sdpa_seconds(b: int, s: int, copies: int) -> float | None:
   return cuda_event_seconds(torch, sdpa, caches)
 
 
-def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:
+def run(batches=BATCHES, contexts=CONTEXTS, configs=None, formats=FORMATS) -> dict:
   result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "copy_bytes_per_s": copy_bandwidth(), "rows": [], "errors": []}
   configs = CONFIGS if configs is None else configs
@@ -90,8 +91,8 @@ def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:
                 jax.random.normal(k2, shape, jnp.bfloat16))
 
       bf16 = [cache(i) for i in range(copies)]
-      packed = {f.name: [(quantize(k, f), quantize(v, f)) for k, v in bf16] for f in (MXFP4,
-                                                                                    NVFP4)}
+      packed = {f.name: [(quantize(k, f), quantize(v, f)) for k, v in bf16]
+                for f in (MXFP4, NVFP4) if f.name in formats}
 
       def record(variant, times, kv_bytes, rel, extra=None):
         wall, device = times
@@ -115,14 +116,14 @@ def run(batches=BATCHES, contexts=CONTEXTS, configs=None) -> dict:
       xla = lambda x, kv: reference.decode_attention(x[0], kv[0], kv[1], x[1])
       ref16 = jax.jit(xla)((q, mask), bf16[0])
       record("xla bf16", time_calls(xla, (q, mask), bf16), bf16_bytes, 0.0)
-      for cfg in configs:
+      for cfg in configs if "bf16" in formats else ():
         p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
                                                         implementation="pallas", **cfg)
         attempt(lambda p=p, cfg=cfg: record(
             "pallas bf16", time_calls(p, (q, mask), bf16), bf16_bytes,
             _rel(jax.jit(p)((q, mask), bf16[0]), ref16), {"config": label(cfg), **cfg}),
             f"pallas bf16 {label(cfg)}")
-      t = torch_sdpa_seconds(b, s, len(bf16))
+      t = torch_sdpa_seconds(b, s, len(bf16)) if "bf16" in formats else None
       if t is not None:
         record("torch sdpa bf16", (t, None), bf16_bytes, float("nan"))
       for fmt, caches in packed.items():
@@ -159,8 +160,13 @@ def main():
   parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
   parser.add_argument("--backends", default="triton,mosaic",
                       help="the kernel backends to time (comma-separated)")
+  parser.add_argument("--formats", default=",".join(FORMATS),
+                      help="the caches to time (comma-separated; XLA's bf16 attention always)")
   args = parser.parse_args()
   ints = lambda s: [int(v) for v in s.split(",") if v]
+  formats = [v for v in args.formats.split(",") if v]
+  if set(formats) - set(FORMATS) or not formats:
+    parser.error(f"--formats must name some of {FORMATS}, got {args.formats!r}")
   backends = [v for v in args.backends.split(",") if v]
   unknown = set(backends) - set(api.BACKENDS)
   if unknown:
@@ -168,7 +174,7 @@ def main():
   configs = [c for c in CONFIGS if c["backend"] in backends]
   if not configs:
     parser.error(f"--backends names none of {api.BACKENDS}")
-  result = run(ints(args.batches), ints(args.contexts), configs)
+  result = run(ints(args.batches), ints(args.contexts), configs, formats)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "decode_attention_bench.json"), "w") as fh:
     json.dump(result, fh, indent=1)

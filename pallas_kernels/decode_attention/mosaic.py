@@ -125,6 +125,40 @@ def v_rows(head_dim: int):
                          + (rho % 16) // 8 for m in range(head_dim // 64)])
 
 
+def _store_rows(ref, rows):
+  """Row vectors ([64] each, in the layout of wgmma's rows: each value in the four threads of
+  its row) -> ref [len(rows), 64] in shared memory, each thread storing its own values (the
+  four store the same). A plain store of such a vector synchronizes the warpgroup around each
+  store; this one leaves that to the barrier that follows (`commit_smem`)."""
+  from jax.experimental.mosaic.gpu import utils as mu
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, llvm
+
+  row_l = plgpu.Layout.WGMMA.reduce(1)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), tuple(row_l for _ in rows)))
+  def store(_, ref, rows):
+    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+    c = lambda v: mu.c(v, i32)
+    tid = mu.thread_idx()
+    if isinstance(tid.type, ir.IndexType):  # an index on some jax versions
+      tid = arith.index_cast(i32, tid)
+    # the thread's rows: 16 w + t // 4 (+ 8), w the warp
+    first = arith.addi(arith.shli(arith.andi(arith.shrui(tid, c(5)), c(3)), c(4)),
+                       arith.andi(arith.shrui(tid, c(2)), c(7)))
+    ptr = mu.memref_ptr(ref)
+    for b, row in enumerate(rows):
+      for h, reg in enumerate(row.registers.flat):  # rows first, first + 8
+        size = mu.bitwidth(ir.VectorType(reg.type).element_type) // 8  # one value a register
+        value = mu.bitcast(reg, ir.IntegerType.get_signless(8 * size))
+        off = arith.muli(arith.addi(first, c(64 * b + 8 * h)), c(size))
+        llvm.store(value, mu.getelementptr(ptr, [off], i8))
+    return ()
+
+  store(ref, tuple(rows))
+
+
 def _v_operands(codes_ref, scales_ref, head_dim, fmt):
   """A block's V^T as wgmma A operands from registers: codes [64 slots, head_dim / 2] and this
   kv head's block scales, [blocks, 64 slots] (bf16 for MXFP4, float32 E4M3 x global for NVFP4,
@@ -257,8 +291,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     l_rows = l_rows * jax.lax.broadcast_in_dim(alpha, s.shape, [1]) + p
     p_smem[...] = p.astype(jnp.bfloat16)
     if v_regs:  # V's scales, one row a block, from where each thread reads its slots' own
-      for b, row in enumerate(scale_rows(v_smem[1], v_smem[2] if fmt == "nvfp4" else None)):
-        vs_smem[b] = row
+      _store_rows(vs_smem, scale_rows(v_smem[1], v_smem[2] if fmt == "nvfp4" else None))
     elif fmt != "bf16":
       for j, pair in enumerate(decode(v_smem)):
         for nibbles, buf in zip(pair, v_bufs):
@@ -370,7 +403,8 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
   return plgpu.kernel(
       body, out_type=out_type, grid=(b, kv, splits), grid_names=("b", "h", "s"),
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+          approx_math=True),  # exp as ex2.approx(x log2 e), as Triton's exp
   )(q_t, mask, end.astype(jnp.int32), *k_arrays, *v_arrays)
 
 
