@@ -2,6 +2,7 @@
 
     python -m pallas_kernels.decode_attention.bench [--out=DIR] [--batches=16,64]
         [--contexts=2048,8192,32768] [--backends=triton,mosaic] [--formats=bf16,mxfp4,nvfp4]
+        [--configs='mosaic c2,triton s64w4st2']
 
 qwen3_30b_a3b attention (32 query heads on 4 kv heads, head_dim 128), one query per sequence,
 every slot valid. Per (batch, context): XLA's bf16 attention (the reference), the project's
@@ -160,6 +161,9 @@ def main():
   parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
   parser.add_argument("--backends", default="triton,mosaic",
                       help="the kernel backends to time (comma-separated)")
+  parser.add_argument("--configs", default="",
+                      help="only these tile configurations (comma-separated labels, e.g. "
+                           "'mosaic c2,triton s64w4st2'; default: every one of the backends)")
   parser.add_argument("--formats", default=",".join(FORMATS),
                       help="the caches to time (comma-separated; XLA's bf16 attention always)")
   args = parser.parse_args()
@@ -172,6 +176,13 @@ def main():
   if unknown:
     parser.error(f"unknown backends {sorted(unknown)}; choose from {api.BACKENDS}")
   configs = [c for c in CONFIGS if c["backend"] in backends]
+  if args.configs:
+    wanted = [v.strip() for v in args.configs.split(",") if v.strip()]
+    unknown = set(wanted) - {label(c) for c in configs}
+    if unknown:
+      parser.error(f"unknown --configs {sorted(unknown)}; choose from "
+                   f"{[label(c) for c in configs]}")
+    configs = [c for c in configs if label(c) in wanted]
   if not configs:
     parser.error(f"--backends names none of {api.BACKENDS}")
   result = run(ints(args.batches), ints(args.contexts), configs, formats)
