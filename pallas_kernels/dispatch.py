@@ -23,9 +23,13 @@ Hopper, everything (the weight sync then leaves FP4 weights untiled, and the att
 Triton's). The attention over MXFP4 caches runs the Mosaic kernel on Hopper (in splits of at
 most MOSAIC_SPLIT_SLOTS slots, so that a partly filled cache is read about as far as it is
 filled): in rollouts over a half-full cache it took 0.89x / 0.84x the Triton kernel's time at
-batch 64 / 256, while on bf16 and NVFP4 caches it is the slower one. That is `attention_kernel`
-"auto"; "triton" or "mosaic" ask for one backend. On a backend other than GPU the Triton
-kernels run in Pallas' interpret mode (tiled weights taken back first): slow, for tests.
+batch 64 / 256, while on bf16 caches it is the slower one, and on NVFP4 ones it was in the
+rollout of 2026-12-01 (0.81x / 0.90x the Triton rows' throughput). Since V^T comes from
+registers the Mosaic NVFP4 kernel takes 0.87-0.91x the Triton kernel's time on full caches
+(8K-32K, BENCHMARKS.md "V^T from registers too"); until a rollout measures it, "auto" keeps
+Triton for NVFP4. That is `attention_kernel` "auto"; "triton" or "mosaic" ask for one backend.
+On a backend other than GPU the Triton kernels run in Pallas' interpret mode (tiled weights
+taken back first): slow, for tests.
 """
 
 from __future__ import annotations
