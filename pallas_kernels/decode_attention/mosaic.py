@@ -89,7 +89,7 @@ def _head_bytes(ref, hi, n):
   return [(words[j // 4] >> (8 * (j % 4))) & 0xFF for j in range(n)]
 
 
-# V^T from registers (MXFP4, head_dim a multiple of 128). Each warp loads its rows of V^T with
+# V^T from registers (FP4 caches, head_dim a multiple of 128). Each warp loads its rows of V^T with
 # `ldmatrix.trans`, which hands every thread the two bytes of one codes column at two
 # consecutive slots: the pair of slots (s, s + 1) that one A-operand register holds. Warp w of
 # the warpgroup takes the 16 code bytes (32 head_dim entries: one MXFP4 block) at byte
@@ -97,8 +97,8 @@ def _head_bytes(ref, hi, n):
 # head_dim entries 128 pi + 32 w + 4 (t // 4) + n, n = 0..3 (the low and high nibbles of two
 # bytes), and places entry n in tile 2 pi + n // 2, row 16 w + t // 4 + 8 (n % 2): the row
 # layout of wgmma's A operand. So O^T's rows come out in the order `v_rows` gives, undone by the
-# wrapper. The block scale of a warp's rows is one per slot (the block is the warp's), applied
-# in the decode as a bf16 pair of two slots' scales.
+# wrapper. The block scale of a thread's rows is one per slot (its block: the warp's, for MXFP4;
+# one of the warp's two, for NVFP4), applied in the decode, one slot a half of the pair.
 _V_LDMATRIX = ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
                "=r,=r,=r,=r,r")
 
@@ -125,6 +125,17 @@ def v_rows(head_dim: int):
                          + (rho % 16) // 8 for m in range(head_dim // 64)])
 
 
+def _thread_index():
+  """The thread's index in the warpgroup's block, as an i32 (inside `inline_mgpu`)."""
+  from jax.experimental.mosaic.gpu import utils as mu
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith
+  tid = mu.thread_idx()
+  if isinstance(tid.type, ir.IndexType):  # an index on some jax versions
+    tid = arith.index_cast(ir.IntegerType.get_signless(32), tid)
+  return tid
+
+
 def _store_rows(ref, rows):
   """Row vectors ([64] each, in the layout of wgmma's rows: each value in the four threads of
   its row) -> ref [len(rows), 64] in shared memory, each thread storing its own values (the
@@ -141,9 +152,7 @@ def _store_rows(ref, rows):
   def store(_, ref, rows):
     i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
     c = lambda v: mu.c(v, i32)
-    tid = mu.thread_idx()
-    if isinstance(tid.type, ir.IndexType):  # an index on some jax versions
-      tid = arith.index_cast(i32, tid)
+    tid = _thread_index()
     # the thread's rows: 16 w + t // 4 (+ 8), w the warp
     first = arith.addi(arith.shli(arith.andi(arith.shrui(tid, c(5)), c(3)), c(4)),
                        arith.andi(arith.shrui(tid, c(2)), c(7)))
@@ -181,9 +190,7 @@ def _v_operands(codes_ref, scales_ref, head_dim, fmt):
     i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
     c = lambda v: mu.c(v, i32)
-    tid = mu.thread_idx()
-    if isinstance(tid.type, ir.IndexType):  # an index on some jax versions
-      tid = arith.index_cast(i32, tid)
+    tid = _thread_index()
     lane = arith.andi(tid, c(31))
     warp = arith.andi(arith.shrui(tid, c(5)), c(3))
     codes_row = ir.MemRefType(codes.type).get_strides_and_offset()[0][0]
