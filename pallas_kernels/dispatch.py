@@ -25,9 +25,12 @@ most MOSAIC_SPLIT_SLOTS slots, so that a partly filled cache is read about as fa
 filled): in rollouts over a half-full cache it took 0.89x / 0.84x the Triton kernel's time at
 batch 64 / 256, while on bf16 caches it is the slower one, and on NVFP4 ones it was in the
 rollout of 2026-12-01 (0.81x / 0.90x the Triton rows' throughput). Since V^T comes from
-registers the Mosaic NVFP4 kernel takes 0.87-0.91x the Triton kernel's time on full caches
-(8K-32K, BENCHMARKS.md "V^T from registers too"); until a rollout measures it, "auto" keeps
-Triton for NVFP4. That is `attention_kernel` "auto"; "triton" or "mosaic" ask for one backend.
+registers (head_dim a multiple of 128) the Mosaic NVFP4 kernel takes 0.87-0.91x the Triton
+kernel's time on full caches (8K-32K, BENCHMARKS.md "V^T from registers too"), and the NVFP4
+rollout on it decodes 1.08x / 1.04x / 1.11x the tokens per second of the rollout on the Triton
+one at batch 16 / 64 / 256 (2026-12-04, "NVFP4 attention in the rollout"): "auto" runs it for
+NVFP4 caches of those head dims and Triton for the others. That is `attention_kernel` "auto";
+"triton" or "mosaic" ask for one backend.
 On a backend other than GPU the Triton kernels run in Pallas' interpret mode (tiled weights
 taken back first): slow, for tests.
 """
@@ -55,7 +58,8 @@ from trace_jax.quant.formats import Format
 
 KERNELS = ("xla", "pallas")
 ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
-MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured)
+MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
+# besides NVFP4 ones whose V it takes from registers (`mosaic_attention.v_in_registers`)
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
 _FP4_CACHES = ("mxfp4", "nvfp4")
 
@@ -185,13 +189,16 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
   takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit).
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
   sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots; elsewhere the Triton one runs. "auto"
-  is "mosaic" for the formats of MOSAIC_ATTENTION_FORMATS, else "triton"."""
+  is "mosaic" for the formats of MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the
+  Mosaic kernel takes from registers, else "triton"."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
     return None
   fmt = cache_format(k)
-  if backend == "auto":
-    backend = "mosaic" if fmt in MOSAIC_ATTENTION_FORMATS else "triton"
   b, slots, kv, head_dim = k.shape
+  if backend == "auto":
+    faster = fmt in MOSAIC_ATTENTION_FORMATS or (
+        fmt == "nvfp4" and mosaic_attention.v_in_registers(fmt, head_dim))
+    backend = "mosaic" if faster else "triton"
   if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
       kv, head_dim, q_BxHxDh.shape[1] // kv, fmt, slots):
     blocks = slots // mosaic_attention.BLOCK_S

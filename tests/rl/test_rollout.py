@@ -333,13 +333,16 @@ def test_mosaic_attention_splits():
   assert K._mosaic_splits(1024, 8, 64) == 1
 
 
-@pytest.mark.parametrize("precision,backend,runs", [
-    ("mxfp4", "mosaic", True), ("nvfp4", "triton", True), ("bf16", "triton", True),
-    ("mxfp4", "triton", False)])
-def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precision, backend, runs,
+@pytest.mark.parametrize("precision,head_dim,backend,runs", [
+    ("mxfp4", 128, "mosaic", True), ("mxfp4", 64, "mosaic", True), ("nvfp4", 128, "mosaic", True),
+    ("nvfp4", 64, "triton", True), ("bf16", 128, "triton", True), ("mxfp4", 128, "triton", False),
+    ("nvfp4", 128, "triton", False)])
+def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precision, head_dim,
+                                                                        backend, runs,
                                                                         monkeypatch):
-  """attention_kernel "auto" (the default): the Mosaic kernel for MXFP4 caches where it runs
-  (Hopper), the Triton one for bf16 and NVFP4 caches (BENCHMARKS.md) and off Hopper."""
+  """attention_kernel "auto" (the default): where it runs (Hopper), the Mosaic kernel for MXFP4
+  caches and for NVFP4 ones whose V it takes from registers (head_dim a multiple of 128); the
+  Triton one for bf16 caches, for NVFP4 ones of other head dims and off Hopper (BENCHMARKS.md)."""
   from tests.pallas_kernels.test_decode_attention import inputs
   from pallas_kernels import dispatch as K
   from trace_jax.quant import MXFP4, NVFP4
@@ -348,7 +351,8 @@ def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precisio
   monkeypatch.setattr(K, "decode_attention",
                       lambda *a, **kw: called.append(kw.get("backend", "triton")))
   fmt = {"mxfp4": MXFP4, "nvfp4": NVFP4, "bf16": None}[precision]
-  q, k, v, mask = inputs(0, 2, 128, 4, 2, 128, fmt)
+  kv = 8 if head_dim == 64 else 4  # a slot's scale rows of 16 bytes: sizes the kernel takes
+  q, k, v, mask = inputs(0, 2, 128, kv, 2, head_dim, fmt)
   K._attention(q, k, v, mask)
   assert called == [backend]
 
