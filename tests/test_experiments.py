@@ -65,6 +65,27 @@ def test_bench_rollout_runs_its_variants():
   assert kv == int(kv_full * 256 / 128 * (112 + 8) / 256)
 
 
+def test_bench_compile_times_the_programs_asked_for_and_keeps_each_as_it_finishes(tmp_path,
+                                                                                  capsys):
+  """--programs picks what is compiled; each program's seconds are printed and written to --out
+  as soon as it is compiled, so a run stopped by a time limit keeps what it finished."""
+  out = tmp_path / "a.json"
+  seen = []
+
+  def log(line):
+    seen.append((line, json.load(open(out))["rows"] if out.exists() else None))
+
+  result = bench_compile.run([1], 32, programs=("train", "decode_scanned"), log=log,
+                             out=str(out))
+  assert set(result["rows"][0]) == {"layers", "train_s", "decode_scanned_s"}
+  assert len(seen) == 2 and "train_s" in seen[0][0]
+  assert seen[0][1] == [{"layers": 1, "train_s": result["rows"][0]["train_s"]}]
+  with pytest.raises(SystemExit):
+    bench_compile.main(["--programs=train,nope"])
+  assert "--programs: nope is not one of train, train_remat, prefill, decode, decode_scanned" in (
+      capsys.readouterr().err)
+
+
 def test_bench_compile_times_each_program_and_compares_two_runs(tmp_path, capsys):
   bench_compile.main(["--layers=1,3", "--d_model=32", f"--out={tmp_path / 'a.json'}"])
   rows = json.load(open(tmp_path / "a.json"))["rows"]
