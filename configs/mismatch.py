@@ -47,6 +47,9 @@ def get_config(arg=None):
   c.attention_kernel = "auto"
   # MXFP4 x MXFP4 matmuls on the W4A4 (FP8 tensor core) kernels, with kernels=pallas
   c.w4a4 = False
+  # the rollout's decode step as one scan over stacked layers (engine.scan_decode): compiles in
+  # the same time at every depth, where the unrolled step grows with it
+  c.scan_decode = False
   c.seed = 0
   c.output = ""  # also write the JSON lines here
   # the first data x expert devices (trace_jax.sharding; data 0: every device that expert

@@ -12,6 +12,8 @@ precision with records for every layer, then the trainer's recomputation with re
 last:1, last:L/4, last:L/2 and all, routing replay off and on. The probe applies no stop token,
 so every response is `--max_new_tokens` long: past the task's short answer the policy writes
 what its warm start makes likely, which is what a long generation's mismatch needs.
+The rollout's decode step runs as one scan over the layers (`--no-scan_decode`: unrolled, the
+same rows, but a compile time that grows with depth).
 
 DIR/rows.jsonl holds one row per (depth, precision, records, replay): the probe's row (KL k3,
 flip rates per site and layer, KL and flip rate by response-position bucket) with `layers` and
@@ -69,6 +71,7 @@ def probe_config(args, workdir: str, n_layers: int, precision: str):
   c.checkpoint = workdir
   c.batch, c.max_new_tokens, c.n_buckets = args.batch, args.max_new_tokens, args.n_buckets
   c.precisions, c.kernels, c.routing_replay = precision, args.kernels, "off,on"
+  c.scan_decode = args.scan_decode
   c.guidance = ",".join(spec for spec, _ in guidances(n_layers))
   return c
 
@@ -199,6 +202,9 @@ def parse(argv=None):
   p.add_argument("--n_buckets", type=int, default=16)
   p.add_argument("--precisions", default="mxfp4,nvfp4")
   p.add_argument("--kernels", default="xla", help="the rollout engine's: xla | pallas")
+  p.add_argument("--scan_decode", action=argparse.BooleanOptionalAction, default=True,
+                 help="the rollout's decode step as a scan over layers (the same rows as "
+                 "unrolled; its compile time does not grow with depth)")
   p.add_argument("--quick", action="store_true", help="tiny depths and lengths: " + str(QUICK))
   p.add_argument("--figures_only", action="store_true")
   p.add_argument("--progress", action="store_true", help="progress bars of the warm starts")

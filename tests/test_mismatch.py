@@ -118,8 +118,8 @@ def test_the_kernels_key_reaches_the_engine_and_the_weight_sync(monkeypatch):
   class Stop(Exception):
     pass
 
-  def pack_weights(cfg, params, recipe, ops):
-    seen["weights_ops"] = ops
+  def pack_weights(cfg, params, recipe, ops, stacked):
+    seen["weights_ops"], seen["stacked"] = ops, stacked
     raise Stop
 
   class Engine(mismatch.RolloutEngine):
@@ -133,7 +133,21 @@ def test_the_kernels_key_reaches_the_engine_and_the_weight_sync(monkeypatch):
   with pytest.raises(Stop):
     mismatch.run(c)
   assert seen["kernels"] == "pallas" and seen["weights_ops"] is seen["engine_ops"]
+  assert seen["stacked"] is False  # unrolled decode: weights a list of layers
   assert type(seen["engine_ops"]).__name__ == "KernelOps"
+
+
+def test_a_scanned_decode_gives_the_rows_of_the_unrolled_one(rows):
+  """`scan_decode` (the sweep's deep policies compile in the same time at every depth): the
+  same rollout, so the same rows, as the unrolled decode step."""
+  c = quick_config()
+  c.precisions, c.scan_decode = "mxfp4", True
+  scanned = mismatch.run(c)
+  unrolled = [r for r in rows if r["rollout_quant"] == "mxfp4"]
+  assert len(scanned) == len(unrolled) == 6
+  for a, b in zip(scanned, unrolled):
+    assert {k: v for k, v in a.items() if not k.endswith("_s")} == {
+        k: v for k, v in b.items() if not k.endswith("_s")}
 
 
 def test_table_renders(rows):

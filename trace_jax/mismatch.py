@@ -98,9 +98,11 @@ def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
                             top_p=c.top_p)
   engine = RolloutEngine(cfg, recipe, sampling, records="all", collect_codes=True,
                          attn_chunk=c.attn_chunk, kernels=c.kernels,
-                         attention_kernel=c.attention_kernel, w4a4=c.w4a4)
+                         attention_kernel=c.attention_kernel, w4a4=c.w4a4,
+                         scan_decode=c.scan_decode)
   start = time.perf_counter()
-  weights = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=engine.ops))(params)
+  weights = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=engine.ops,
+                                      stacked=c.scan_decode))(params)
   m = mesh(c)
   weights = S.place(weights, S.param_shardings(weights, m, S.ROLLOUT_RULES))
   layout = S.Layout(m, S.ROLLOUT_RULES)
