@@ -128,8 +128,11 @@ def draw(rows: list[dict], out: str) -> list[str]:
   precisions = sorted({r["rollout_quant"] for r in rows})
   depths = sorted({r["layers"] for r in rows})
   paths = []
-  for name, key, label in (("kl_by_depth.png", "mismatch/kl_k3", "KL k3 (rollout || trainer)"),
-                           ("flips_by_depth.png", "mismatch/flip_rate", "code flip rate")):
+  # linear below `floor` (so an exact 0 has a place): a flip rate's is one code in a billion,
+  # under the few that records=all leaves at depth
+  for name, key, label, floor in (
+      ("kl_by_depth.png", "mismatch/kl_k3", "KL k3 (rollout || trainer)", 1e-6),
+      ("flips_by_depth.png", "mismatch/flip_rate", "code flip rate", 1e-9)):
     fig, axes = plt.subplots(1, len(precisions), figsize=(5 * len(precisions), 3.6),
                              squeeze=False)
     for ax, precision in zip(axes[0], precisions):
@@ -145,7 +148,7 @@ def draw(rows: list[dict], out: str) -> list[str]:
              xscale="log")
       ax.minorticks_off()
       ax.set_xticks(depths, [str(d) for d in depths])
-      ax.set_yscale("symlog", linthresh=1e-6)
+      ax.set_yscale("symlog", linthresh=floor)
       ax.set_ylim(bottom=0)
       ax.legend(fontsize=6)
     fig.tight_layout()
