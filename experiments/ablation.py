@@ -11,8 +11,8 @@ Rerunning the command resumes unfinished runs and skips finished ones; results a
 two files alone) is kept, not rerun, and families and seeds this invocation does not name stay
 as they were, so more seeds can be added later, on another machine. Then, per family:
 
-- post-hoc FP4: the BF16-trained policy quantized to MXFP4 after training and evaluated by the
-  FP4 rollout engine, against the FP4 policies the FP4 modes trained;
+- post-hoc FP4: each seed's BF16-trained policy quantized to MXFP4 after training and evaluated
+  by the FP4 rollout engine, against the FP4 policies the FP4 modes trained;
 - record bytes against the KL they buy: the trained trace_all policy probed on its task's eval
   prompts with records of none / last:1 / last:2 / all layers, routing replay off and on.
 
@@ -175,10 +175,10 @@ def markdown_table(summary: dict, families) -> str:
           f"{f(s['flip_rate'], '{:.4f}')} | {f(s.get('route_flip_rate'), '{:.4f}')} | "
           f"{f(s['record_bytes_per_token'], '{:.0f}')} | "
           f"`{s.get('config_arg', config_arg(family, mode, seed))}` |")
-    if "bf16_posthoc_fp4" in acc:
-      lines.append(f"| {family} | bf16 policy, MXFP4 post hoc | | -> "
-                   f"{f(acc['bf16_posthoc_fp4'], '{:.3f}')} | | | | | "
-                   f"`experiments/ablation.py --families={family} --modes=bf16` |")
+    for seed, value in seed_stats.posthoc(summary[family]).items():
+      lines.append(f"| {family} | bf16 policy, MXFP4 post hoc | | -> {f(value, '{:.3f}')} | | "
+                   f"| | | `experiments/ablation.py --families={family} --modes=bf16 "
+                   f"--seeds={seed}` |")
   return "\n".join(lines)
 
 
@@ -252,6 +252,8 @@ def main(argv=None):
         fam["runs"][key], fam_runs[key] = run_results(family, mode, seed, workdir, c,
                                                       args.smoke)
         fam["runs"][key]["git_commit"] = summary["provenance"]["git_commit"]
+        if mode == "bf16":  # post-hoc FP4: the bf16-trained policy on the MXFP4 engine
+          fam["runs"][key]["posthoc_fp4_accuracy"] = fp4_eval(workdir)
         fresh.add(seed)
       # the headline numbers: the lowest seed recorded, recomputed only from its directory
       first = min(int(k.split("/seed")[1]) for k in fam["runs"] if k.startswith(mode + "/"))
@@ -261,8 +263,7 @@ def main(argv=None):
         if mode == "bf16":
           acc["bf16_bf16"] = acc["bf16"]
           if first in fresh:
-            acc["bf16_posthoc_fp4"] = fp4_eval(os.path.join(args.out, family, mode,
-                                                            f"seed{first}"))
+            acc["bf16_posthoc_fp4"] = fam["runs"][f"bf16/seed{first}"]["posthoc_fp4_accuracy"]
       if mode == "trace_all" and first in fresh:
         fam["probe"] = probe(os.path.join(args.out, family, mode, f"seed{first}"))
     summary["runtime_s"] = time.time() - start

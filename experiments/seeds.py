@@ -45,8 +45,24 @@ def by_mode(runs: dict) -> dict:
           for mode, rs in modes.items()}
 
 
+def posthoc(family: dict) -> dict[int, float]:
+  """{seed: greedy eval accuracy of that seed's bf16-trained policy on the MXFP4 engine} of a
+  family's summary: each bf16 run's `posthoc_fp4_accuracy`, and for the lowest bf16 seed,
+  where its run predates that key, the family's headline `bf16_posthoc_fp4`."""
+  runs = {int(k.split("/seed")[1]): r for k, r in family.get("runs", {}).items()
+          if k.split("/")[0] == "bf16"}
+  out = {seed: r["posthoc_fp4_accuracy"] for seed, r in runs.items()
+         if r.get("posthoc_fp4_accuracy") is not None}
+  headline = family.get("final_eval_accuracy", {}).get("bf16_posthoc_fp4")
+  if runs and min(runs) not in out and headline is not None:
+    out[min(runs)] = headline
+  return dict(sorted(out.items()))
+
+
 def markdown(summary: dict, families) -> str:
-  """One row per family and mode with more than one seed: mean +- 95% half-width."""
+  """One row per family and mode with more than one seed: mean +- 95% half-width; and one for
+  post-hoc FP4 of the bf16 policies (its collapsed count: below half the bf16 policy's own
+  accuracy)."""
   def cell(s, spec):
     if s["mean"] is None:
       return "-"
@@ -64,4 +80,12 @@ def markdown(summary: dict, families) -> str:
                    f"{cell(s['eval_accuracy_after'], '{:.3f}')} | "
                    f"{cell(s['reward_last'], '{:.3f}')} | {cell(s['mismatch_kl_k3'], '{:.1e}')} | "
                    f"{cell(s['flip_rate'], '{:.4f}')} |")
+    fp4 = posthoc(summary[family])
+    if len(fp4) > 1:
+      rows += 1
+      runs = summary[family]["runs"]
+      lost = sum(1 for seed, acc in fp4.items()
+                 if acc < 0.5 * (runs[f"bf16/seed{seed}"].get("eval_accuracy_after") or 0))
+      lines.append(f"| {family} | bf16 policy, MXFP4 post hoc | {len(fp4)} | {lost} | "
+                   f"{cell(interval(fp4.values()), '{:.3f}')} | - | - | - |")
   return "\n".join(lines) if rows else ""

@@ -173,7 +173,7 @@ def test_results_are_one_summary_and_one_small_curves_file(tmp_path):
   assert run["config"]["rl"]["mode"] == "trace" and run["config"]["model"]["n_layers"] == 3
   table = ablation.markdown_table(summary, data.families)
   assert "`family=long_horizon,mode=trace,seed=0,smoke` |" in table
-  assert "`experiments/ablation.py --families=reasoning --modes=bf16` |" in table
+  assert "`experiments/ablation.py --families=reasoning --modes=bf16 --seeds=0` |" in table
 
 
 def test_figures_only_draws_from_the_two_files_and_refuses_without_them(tmp_path, capsys):
@@ -275,7 +275,9 @@ def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch,
   monkeypatch.setattr(ablation, "train", train)
   monkeypatch.setattr(ablation, "finished", lambda w, c: os.path.exists(
       os.path.join(w, "metrics.jsonl")))
-  monkeypatch.setattr(ablation, "fp4_eval", lambda w: pytest.fail(f"no checkpoint in {w}"))
+  # post hoc FP4 of each bf16 policy trained now (kept runs have no checkpoint here)
+  monkeypatch.setattr(ablation, "fp4_eval", lambda w: 0.25 if w.endswith(
+      os.path.join("bf16", "seed1")) else pytest.fail(f"no checkpoint in {w}"))
   config = ablation.run_config
 
   def six_sft_steps(family, mode, seed, smoke=False):  # as fake_results' runs have
@@ -302,8 +304,13 @@ def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch,
   assert lh["final_eval_accuracy"] == before["long_horizon"]["final_eval_accuracy"]
   assert lh["probe"] == before["long_horizon"]["probe"]
   assert_summary_matches_curves(data.summary, data.curves)
+  assert lh["runs"]["bf16/seed1"]["posthoc_fp4_accuracy"] == 0.25
   table = (out / "table.md").read_text()
   assert "| long_horizon | trace | 2 |" in table
+  posthoc = before["long_horizon"]["final_eval_accuracy"]["bf16_posthoc_fp4"]  # seed 0's
+  assert f"| long_horizon | bf16 policy, MXFP4 post hoc | | -> {posthoc:.3f} |" in table
+  assert "| long_horizon | bf16 policy, MXFP4 post hoc | | -> 0.250 |" in table
+  assert "| long_horizon | bf16 policy, MXFP4 post hoc | 2 | " in table
   # the table and the figures (drawn from the same data) are of every family the results
   # hold, not only of the one this invocation trained
   assert "| reasoning | bf16 |" in table

@@ -33,3 +33,19 @@ def test_table_has_a_row_per_mode_with_several_seeds():
   assert rows[0].endswith("| 2.0e-04 ± 1.3e-03 | - |")
   assert seeds.markdown({"reasoning": {"runs": {"bf16/seed0": run(0.7, 0.0)}}},
                         ["reasoning"]) == ""
+
+
+def test_post_hoc_fp4_of_the_bf16_policies_gets_its_own_row():
+  """Post-hoc FP4 (each bf16 seed's trained policy evaluated by the MXFP4 engine) across seeds,
+  beside the modes: the baseline TRACE has to beat."""
+  run = lambda acc, posthoc: {"eval_accuracy_before_rl": 0.5, "eval_accuracy_after": acc,
+                              "reward_last": acc, "mismatch_kl_k3": 0.0, "flip_rate": None,
+                              "posthoc_fp4_accuracy": posthoc}
+  summary = {"long_horizon": {"runs": {"bf16/seed0": run(0.9, 0.7), "bf16/seed1": run(1.0, 0.4),
+                                       "bf16/seed2": run(0.95, None)}}}
+  rows = [line for line in seeds.markdown(summary, ["long_horizon"]).splitlines()
+          if line.startswith("| long_horizon")]
+  assert rows[0].startswith("| long_horizon | bf16 | 3 | 0 | 0.950 ± ")
+  # two seeds have it: mean 0.55, t_{0.975, 1} = 12.706205 x sd 0.2121 / sqrt(2) = 1.906; seed 1
+  # lost more than half of its bf16 policy's accuracy
+  assert rows[1] == "| long_horizon | bf16 policy, MXFP4 post hoc | 2 | 1 | 0.550 ± 1.906 | - | - | - |"
