@@ -11,10 +11,18 @@ configs/<family>.py with a 3-layer policy (so that `trace` records the deepest l
 CPU cores the five modes took 12 minutes (reasoning) and 31 (coding); RESULTS.md has the rest. `experiments/ablation.py`
 runs exactly these configs in these workdirs, so a run made by this command is picked up there,
 not rerun. Variant parts: `family=` (reasoning | coding | long_horizon, default reasoning),
-`mode=` (bf16 | fp4_rollout | fp4_qat | trace | trace_all, default trace), `seed=`, `smoke` (a
-few steps, for tests) and any key=value of trace_jax/rl/defaults.py, applied after the
-ablation's own values.
+`mode=` (bf16 | fp4_rollout | fp4_qat | trace | trace_all, default trace), `seed=`, `scale=`
+(cpu, the default: the above; gpu: below), `smoke` (a few steps, for tests) and any key=value
+of trace_jax/rl/defaults.py, applied after the ablation's own values.
+
+`scale=gpu` is the ablation at the size of one H200 (`experiments/ablation.py --scale=gpu`): the
+`gpu` policy (12 layers, d_model 512, 16 experts, `trace` recording the last 4 layers) on harder
+tasks: chain sums of 3-4 terms of up to 3 digits, and long-horizon episodes of 256 turns (512
+sampled tokens, ~1 500 in all); a run has to finish within one GPU command (nothing of a run's
+directory survives between them but its summary and curves), so the schedules are short:
+GPU_SCHEDULE.
 """
+
 
 import importlib.util
 import os
@@ -23,7 +31,7 @@ from trace_jax.configs import apply_variant, set_key
 from trace_jax.rl.defaults import VARIANTS
 from trace_jax.rl.validate import FAMILIES
 
-__all__ = ["VARIANTS", "get_config", "ABLATION", "SCHEDULE"]
+__all__ = ["VARIANTS", "get_config", "ABLATION", "SCHEDULE", "SCALES", "GPU_SCHEDULE"]
 
 ABLATION = {"model.n_layers": 3, "rl.trace_layers": "last:1", "log.flip_rate_every": 5}
 # the CPU budget of one run per family (minutes on 2 cores): fewer RL steps than the defaults;
@@ -31,6 +39,19 @@ ABLATION = {"model.n_layers": 3, "rl.trace_layers": "last:1", "log.flip_rate_eve
 # 150 steps its SFT loss was still falling steeply and greedy accuracy was 0.18-0.22)
 SCHEDULE = {"reasoning": {"rl.steps": 300}, "coding": {"rl.steps": 300},
             "long_horizon": {"sft.steps": 300, "rl.steps": 200}}
+SCALES = ("cpu", "gpu")
+# scale=gpu: the `gpu` variant of trace_jax/rl/defaults.py, harder tasks, and schedules sized for
+# one GPU command of at most 10 minutes a run (not yet timed there: the first GPU batch measures
+# one run a family and sets these)
+GPU_ABLATION = {"log.flip_rate_every": 5}
+GPU_SCHEDULE = {
+    "reasoning": {"task.reasoning.min_terms": 3, "task.reasoning.max_terms": 4,
+                  "task.reasoning.max_digits": 3, "max_prompt_len": 16, "rl.max_new_tokens": 6,
+                  "sft.steps": 300, "rl.steps": 100},
+    "coding": {"sft.steps": 300, "rl.steps": 100},
+    "long_horizon": {"task.long_horizon.turns": 256, "sft.steps": 300, "sft.batch_size": 64,
+                     "rl.steps": 60, "rl.prompts_per_step": 16, "eval.size": 50,
+                     "eval.batch_size": 50}}
 
 
 def _family_config(family: str):
@@ -43,18 +64,26 @@ def _family_config(family: str):
 
 
 def get_config(arg=None):
-  family, rest = "reasoning", []
+  family, scale, rest = "reasoning", "cpu", []
   for part in filter(None, (arg or "").split(",")):
     key, _, value = part.partition("=")
     if key.strip() == "family":
       family = value.strip()
+    elif key.strip() == "scale":
+      scale = value.strip()
     elif key.strip() == "mode":
       rest.append(f"rl.mode={value.strip()}")
     else:
       rest.append(part)
   if family not in FAMILIES:
     raise ValueError(f"unknown ablation family {family!r}; choose one of {FAMILIES}")
+  if scale not in SCALES:
+    raise ValueError(f"unknown ablation scale {scale!r}; choose one of {SCALES}")
   c = _family_config(family)
-  for key, value in {**ABLATION, **SCHEDULE[family]}.items():
+  if scale == "gpu":
+    values = {**VARIANTS["gpu"], **GPU_ABLATION, **GPU_SCHEDULE[family]}
+  else:
+    values = {**ABLATION, **SCHEDULE[family]}
+  for key, value in values.items():
     set_key(c, key, value)
   return apply_variant(c, ",".join(rest), VARIANTS)

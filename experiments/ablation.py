@@ -1,8 +1,9 @@
-"""The ablation of DESIGN section 8 on the small CPU setting, for all three task families.
+"""The ablation of DESIGN section 8 on the small CPU setting (or one H200's), for all three task families.
 
     python experiments/ablation.py [--out=experiments/results] [--seeds=0] \
         [--families=reasoning,coding,long_horizon] [--modes=bf16,fp4_rollout,fp4_qat,trace,trace_all]
     python experiments/ablation.py --figures_only   # redraw figures and table, no training
+    python experiments/ablation.py --scale=gpu --families=reasoning,long_horizon   # one H200
 
 For every family, mode and seed: one RL run, `configs/ablation.py:family=F,mode=M,seed=S` in
 <out>/F/M/seedS (the same as `python -m trace_jax.main` with that config and workdir).
@@ -41,6 +42,7 @@ import ml_collections
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from configs.ablation import SCALES  # noqa: E402
 from experiments import curves, figures, seeds as seed_stats  # noqa: E402
 from trace_jax import cli, mismatch  # noqa: E402
 from trace_jax.models import QuantRecipe, pack_weights  # noqa: E402
@@ -58,15 +60,17 @@ PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "numpy", "ml_dtypes", "optax",
             "grain", "matplotlib")
 
 
-def config_arg(family: str, mode: str, seed: int, smoke: bool = False) -> str:
-  return f"family={family},mode={mode},seed={seed}" + (",smoke" if smoke else "")
+def config_arg(family: str, mode: str, seed: int, smoke: bool = False, scale: str = "cpu"
+               ) -> str:
+  return (f"family={family},mode={mode},seed={seed}" + ("" if scale == "cpu" else f",scale={scale}")
+          + (",smoke" if smoke else ""))
 
 
-def run_config(family: str, mode: str, seed: int, smoke: bool = False
+def run_config(family: str, mode: str, seed: int, smoke: bool = False, scale: str = "cpu"
                ) -> ml_collections.ConfigDict:
   """The run's config: configs/ablation.py, the one source of the ablation's settings."""
   return importlib.import_module("configs.ablation").get_config(
-      config_arg(family, mode, seed, smoke))
+      config_arg(family, mode, seed, smoke, scale))
 
 
 def provenance() -> dict:
@@ -142,11 +146,11 @@ def probe(workdir: str) -> list[dict]:
   return mismatch.probe_precision(run.cfg, state["params"], "mxfp4", prompts, pc)
 
 
-def run_results(family: str, mode: str, seed: int, workdir: str, c, smoke: bool = False
-                ) -> tuple[dict, dict]:
+def run_results(family: str, mode: str, seed: int, workdir: str, c, smoke: bool = False,
+                scale: str = "cpu") -> tuple[dict, dict]:
   """A finished run's summary (with its config and the command that reproduces it) and its
   curves, both from its metrics.jsonl."""
-  arg = config_arg(family, mode, seed, smoke)
+  arg = config_arg(family, mode, seed, smoke, scale)
   command = (f"python -m trace_jax.main --config=configs/ablation.py:{arg} --workdir={workdir}"
              + (f" --config.data_dir={c.data_dir}" if c.data_dir else ""))
   summary = {**summarize(workdir, c), "config_arg": arg, "command": command,
@@ -184,8 +188,13 @@ def markdown_table(summary: dict, families) -> str:
 
 def main(argv=None):
   parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default="experiments/results")
-  parser.add_argument("--figures", default="experiments/figures")
+  parser.add_argument("--scale", default="cpu", choices=SCALES,
+                      help="configs/ablation.py's scale: cpu (3-layer policies) or gpu (the "
+                           "12-layer `gpu` policy on harder tasks, for one H200)")
+  parser.add_argument("--out", default=None,
+                      help="default experiments/results (--scale=gpu: experiments/results/gpu)")
+  parser.add_argument("--figures", default=None,
+                      help="default experiments/figures (--scale=gpu: experiments/figures/gpu)")
   parser.add_argument("--families", default="",
                       help=f"comma separated, of {FAMILIES}; default all (--figures_only: all "
                            "the results hold)")
@@ -197,6 +206,9 @@ def main(argv=None):
                            "<out>/curves.json")
   parser.add_argument("--data_dir", default="", help="where TFDS datasets are prepared")
   args = parser.parse_args(argv)
+  sub = "" if args.scale == "cpu" else args.scale
+  args.out = args.out or os.path.join("experiments", "results", sub)
+  args.figures = args.figures or os.path.join("experiments", "figures", sub)
   families = [f for f in args.families.split(",") if f]
   modes = [m for m in args.modes.split(",") if m]
   bad = [f for f in families if f not in FAMILIES] + [m for m in modes if m not in MODES]
@@ -217,7 +229,7 @@ def main(argv=None):
     for family in [] if args.figures_only else families:
       for mode in modes:
         for seed in seeds:
-          c = run_config(family, mode, seed, args.smoke)
+          c = run_config(family, mode, seed, args.smoke, args.scale)
           validate(c)
           check_sandbox(c)
 
@@ -236,12 +248,12 @@ def main(argv=None):
     for mode in modes:
       fresh = set()  # seeds whose results this invocation read from their run directory
       for seed in seeds:
-        c = run_config(family, mode, seed, args.smoke)
+        c = run_config(family, mode, seed, args.smoke, args.scale)
         c.data_dir = args.data_dir
         workdir = os.path.join(args.out, family, mode, f"seed{seed}")
         key = f"{mode}/seed{seed}"
         recorded = fam["runs"].get(key, {}).get("config_arg") == config_arg(
-            family, mode, seed, args.smoke)
+            family, mode, seed, args.smoke, args.scale)
         if not finished(workdir, c):
           if recorded and not os.path.exists(workdir):
             print(f"== {family} / {mode} / seed {seed}: kept from {curves.SUMMARY} (its run "
@@ -250,7 +262,7 @@ def main(argv=None):
           print(f"== {family} / {mode} / seed {seed} -> {workdir}", flush=True)
           train(c, workdir, progress=False)
         fam["runs"][key], fam_runs[key] = run_results(family, mode, seed, workdir, c,
-                                                      args.smoke)
+                                                      args.smoke, args.scale)
         fam["runs"][key]["git_commit"] = summary["provenance"]["git_commit"]
         if mode == "bf16":  # post-hoc FP4: the bf16-trained policy on the MXFP4 engine
           fam["runs"][key]["posthoc_fp4_accuracy"] = fp4_eval(workdir)

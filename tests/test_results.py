@@ -280,8 +280,8 @@ def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch,
       os.path.join("bf16", "seed1")) else pytest.fail(f"no checkpoint in {w}"))
   config = ablation.run_config
 
-  def six_sft_steps(family, mode, seed, smoke=False):  # as fake_results' runs have
-    c = config(family, mode, seed, smoke)
+  def six_sft_steps(family, mode, seed, smoke=False, scale="cpu"):  # as fake_results' runs have
+    c = config(family, mode, seed, smoke, scale)
     c.sft.steps = 6
     return c
 
@@ -339,3 +339,24 @@ def test_the_table_lists_each_seed_s_modes_in_order_whatever_order_they_ran_in()
       "family=coding,mode=bf16,seed=0", "family=coding,mode=trace,seed=0",
       "family=coding,mode=bf16,seed=1", "family=coding,mode=trace,seed=1",
       "family=coding,mode=trace_all,seed=1"]
+
+
+def test_the_gpu_scale_is_the_gpu_policy_on_harder_tasks_with_its_own_command(capsys):
+  """--scale=gpu (issue 21's RL at depth): the `gpu` policy, harder tasks, and a config argument
+  that reproduces the run through configs/ablation.py alone."""
+  from configs import ablation as ablation_config
+  c = ablation.run_config("long_horizon", "trace", 2, scale="gpu")
+  assert (c.model.n_layers, c.model.d_model, c.model.n_experts) == (12, 512, 16)
+  assert c.rl.trace_layers == "last:4" and c.task.long_horizon.turns == 256 and c.seed == 2
+  arg = ablation.config_arg("long_horizon", "trace", 2, scale="gpu")
+  assert arg == "family=long_horizon,mode=trace,seed=2,scale=gpu"
+  assert ablation_config.get_config(arg) == c
+  r = ablation.run_config("reasoning", "bf16", 0, scale="gpu")
+  assert (r.task.reasoning.min_terms, r.task.reasoning.max_terms, r.task.reasoning.max_digits) == (
+      3, 4, 3)
+  assert ablation.config_arg("reasoning", "bf16", 0) == "family=reasoning,mode=bf16,seed=0"
+  with pytest.raises(SystemExit):
+    ablation.main(["--scale=tpu"])
+  assert "--scale: invalid choice: 'tpu'" in capsys.readouterr().err
+  with pytest.raises(ValueError, match=r"unknown ablation scale 'tpu'; choose one of \('cpu', 'gpu'\)"):
+    ablation_config.get_config("scale=tpu")
