@@ -18,11 +18,9 @@ of trace_jax/rl/defaults.py, applied after the ablation's own values.
 `scale=gpu` is the ablation at the size of one H200 (`experiments/ablation.py --scale=gpu`): the
 `gpu` policy (12 layers, d_model 512, 16 experts, `trace` recording the last 4 layers) on harder
 tasks: chain sums of 3-4 terms of up to 3 digits, and long-horizon episodes of 256 turns (512
-sampled tokens, ~1 500 in all); a run has to finish within one GPU command (nothing of a run's
-directory survives between them but its summary and curves), so the schedules are short:
-GPU_SCHEDULE.
+sampled tokens, ~1 500 in all), with short schedules (GPU_SCHEDULE) so that a run takes
+minutes there.
 """
-
 
 import importlib.util
 import os
@@ -40,9 +38,9 @@ ABLATION = {"model.n_layers": 3, "rl.trace_layers": "last:1", "log.flip_rate_eve
 SCHEDULE = {"reasoning": {"rl.steps": 300}, "coding": {"rl.steps": 300},
             "long_horizon": {"sft.steps": 300, "rl.steps": 200}}
 SCALES = ("cpu", "gpu")
-# scale=gpu: the `gpu` variant of trace_jax/rl/defaults.py, harder tasks, and schedules sized for
-# one GPU command of at most 10 minutes a run (not yet timed there: the first GPU batch measures
-# one run a family and sets these)
+# scale=gpu: the `gpu` variant of trace_jax/rl/defaults.py, harder tasks, and schedules meant for
+# under 10 minutes a run on one H200 (not yet timed there: the first GPU runs measure one run a
+# family and set these)
 GPU_ABLATION = {"log.flip_rate_every": 5}
 GPU_SCHEDULE = {
     "reasoning": {"task.reasoning.min_terms": 3, "task.reasoning.max_terms": 4,

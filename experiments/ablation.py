@@ -1,4 +1,4 @@
-"""The ablation of DESIGN section 8 on the small CPU setting (or one H200's), for all three task families.
+"""The ablation of DESIGN section 8, on the small CPU setting or one H200's, for all three families.
 
     python experiments/ablation.py [--out=experiments/results] [--seeds=0] \
         [--families=reasoning,coding,long_horizon] [--modes=bf16,fp4_rollout,fp4_qat,trace,trace_all]

@@ -10,8 +10,9 @@ MXFP4, records of the last layer, two minibatches) is lowered and compiled, from
 minibatch), with `rl.remat=layer` too where the code has it; the rollout engine's prefill and its
 decode loop, with `engine.scan_decode` too where the code has it. Seconds of lower + compile, one
 process, no compilation cache; each program's seconds are printed, and the JSON rewritten, as
-soon as it is compiled, so a run stopped by a time limit keeps what it finished. Runs on any code version with these entry points, so "before" is
-this file run in a checkout of an older commit; `--compare` prints both runs' table.
+soon as it is compiled, so a run stopped by a time limit keeps what it finished. Runs on any
+code version with these entry points, so "before" is this file run in a checkout of an older
+commit; `--compare` prints both runs' table.
 """
 
 from __future__ import annotations

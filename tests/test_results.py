@@ -358,5 +358,6 @@ def test_the_gpu_scale_is_the_gpu_policy_on_harder_tasks_with_its_own_command(ca
   with pytest.raises(SystemExit):
     ablation.main(["--scale=tpu"])
   assert "--scale: invalid choice: 'tpu'" in capsys.readouterr().err
-  with pytest.raises(ValueError, match=r"unknown ablation scale 'tpu'; choose one of \('cpu', 'gpu'\)"):
+  with pytest.raises(ValueError,
+                     match=r"unknown ablation scale 'tpu'; choose one of \('cpu', 'gpu'\)"):
     ablation_config.get_config("scale=tpu")

@@ -48,4 +48,5 @@ def test_post_hoc_fp4_of_the_bf16_policies_gets_its_own_row():
   assert rows[0].startswith("| long_horizon | bf16 | 3 | 0 | 0.950 ± ")
   # two seeds have it: mean 0.55, t_{0.975, 1} = 12.706205 x sd 0.2121 / sqrt(2) = 1.906; seed 1
   # lost more than half of its bf16 policy's accuracy
-  assert rows[1] == "| long_horizon | bf16 policy, MXFP4 post hoc | 2 | 1 | 0.550 ± 1.906 | - | - | - |"
+  assert rows[1] == ("| long_horizon | bf16 policy, MXFP4 post hoc | 2 | 1 | 0.550 ± 1.906 | - | "
+                     "- | - |")
