@@ -150,6 +150,21 @@ def test_a_scanned_decode_gives_the_rows_of_the_unrolled_one(rows):
         k: v for k, v in b.items() if not k.endswith("_s")}
 
 
+def test_a_policy_on_another_mesh_is_probed_on_the_probe_s(rows):
+  """probe_precision with params where a training run left them (every device of the run's
+  mesh; the ablation probes its trained policies so) moves them to the probe's mesh: the
+  same rows as the probe of params on one device."""
+  from trace_jax import sharding as S
+  c = quick_config()
+  c.precisions = "mxfp4"
+  cfg, params, prompts = mismatch.load_probe(c)
+  assert jax.device_count() > 1  # tests/conftest.py: 8 CPU devices
+  spread = S.place(params, S.param_shardings(params, S.make_mesh(None, 1), S.TRAIN_RULES))
+  got = mismatch.probe_precision(cfg, spread, "mxfp4", prompts, c)
+  want = [r for r in rows if r["rollout_quant"] == "mxfp4"]
+  assert [r["mismatch/kl_k3"] for r in got] == [r["mismatch/kl_k3"] for r in want]
+
+
 def test_table_renders(rows):
   text = mismatch.table(rows, n_layers=2)
   assert text.count("\n") == len(rows) + 1 and "mxfp4" in text

@@ -136,9 +136,11 @@ def _setting(cfg, recipe, temperature, params, batch, guide_L, replay):
 
 def probe_precision(cfg, params, precision: str, prompts, c, times: dict | None = None
                     ) -> list[dict]:
-  """One rollout at `precision`, then every (guidance, replay) recomputation of it; `times`
-  gets the seconds of each phase."""
+  """One rollout at `precision`, then every (guidance, replay) recomputation of it, on the
+  probe's mesh (`c.mesh`, where the params are placed first: a training run's may be spread
+  over another); `times` gets the seconds of each phase."""
   times = {} if times is None else times
+  params = S.place(params, S.param_shardings(params, mesh(c), S.TRAIN_RULES))
   recipe, batch = rollout(cfg, params, precision, prompts, c, times)
   n_new = int(jnp.sum(batch.response_mask))
   setting = jax.jit(functools.partial(_setting, cfg, recipe, c.temperature))
@@ -224,7 +226,6 @@ def run(c: ml_collections.ConfigDict, log=print, probe=None) -> list[dict]:
   check(c)
   chosen = _choices(c.precisions, precisions(), "precisions")
   cfg, params, prompts = probe or load_probe(c)
-  params = S.place(params, S.param_shardings(params, mesh(c), S.TRAIN_RULES))
   rows = []
   for precision in chosen:
     start, times = time.perf_counter(), {}
