@@ -108,7 +108,9 @@ def test_quick_sweep_end_to_end(tmp_path):
 
 def test_the_committed_h200_sweep_redraws_from_its_rows(tmp_path):
   """experiments/results/mismatch_sweep_h200: its figures are the ones --figures_only draws
-  from its rows.jsonl alone, and records=all with routing replay flipped no code there."""
+  from its rows.jsonl alone; records=all with routing replay flipped no code up to 8 layers and
+  at most a few in 10^8 at 16 and 32 (RESULTS.md: values the two paths' summation orders move
+  across a power of two, which a one-bit record cannot pin)."""
   committed = os.path.join(sweep.ROOT, "experiments", "results", "mismatch_sweep_h200")
   rows = sweep.read_rows(committed)
   assert rows, committed
@@ -121,7 +123,9 @@ def test_the_committed_h200_sweep_redraws_from_its_rows(tmp_path):
   for name in sweep.FIGURES:
     assert os.path.getsize(out / name) > 1000, name
   replayed_all = [r for r in rows if r["records"] == "all" and r["routing_replay"]]
-  assert replayed_all and all(r["mismatch/flip_rate"] == 0.0 for r in replayed_all)
+  assert {r["layers"] for r in replayed_all} == {4, 8, 16, 32}
+  assert all(r["mismatch/flip_rate"] == 0.0 for r in replayed_all if r["layers"] <= 8)
+  assert all(r["mismatch/flip_rate"] < 3e-8 for r in replayed_all)
 
 
 def test_position_figure_takes_each_precisions_own_deepest_depth(tmp_path):
