@@ -51,16 +51,18 @@ def _seconds(fn) -> float:
 PROGRAMS = ("train", "train_remat", "prefill", "decode", "decode_scanned")
 
 
-def one_depth(n_layers: int, d_model: int, programs=PROGRAMS, done=lambda row: None) -> dict:
+def one_depth(n_layers: int, d_model: int, programs=PROGRAMS, row: dict | None = None,
+              done=lambda row: None) -> dict:
   """Seconds to lower and compile each of `programs` at this depth (those the code has), in the
-  order of PROGRAMS; `done(row)` after each."""
+  order of PROGRAMS, put into `row` (a new one if None) as each is compiled; `done(row)` after
+  each."""
   cfg = tiny(n_layers=n_layers, d_model=d_model)
   setup = mode_setup("trace", "mxfp4", "last:1")
   groups = setup.layer_groups(n_layers) if hasattr(setup, "layer_groups") else None
   init = (functools.partial(init_params, cfg, groups=groups) if _has(init_params, "groups")
           else functools.partial(init_params, cfg))
   params = jax.eval_shape(init, jax.random.PRNGKey(0))
-  row = {"layers": n_layers}
+  row = {"layers": n_layers} if row is None else row
   prompts = jax.ShapeDtypeStruct((BATCH, PROMPT), jnp.int32)
   lengths = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
@@ -124,9 +126,8 @@ def run(layers: list[int], d_model: int = 64, programs=PROGRAMS, log=print,
     log(f"{row['layers']} layers: {name} {seconds:.1f}")
 
   for n in layers:
-    row = {"layers": n}
-    result["rows"].append(row)
-    row.update(one_depth(n, d_model, programs, done=lambda r: (row.update(r), done(row))))
+    result["rows"].append({"layers": n})
+    one_depth(n, d_model, programs, row=result["rows"][-1], done=done)
   return result
 
 
