@@ -16,10 +16,10 @@ The rollout's decode step runs as one scan over the layers (`--no-scan_decode`: 
 same rows, but a compile time that grows with depth).
 
 DIR/rows.jsonl holds one row per (depth, precision, records, replay): the probe's row (KL k3,
-flip rates per site and layer, KL and flip rate by response-position bucket) with `layers` and
-`records_of` (the guidance as a share of depth: none, last:1, L/4, L/2, all), appended as each
-(depth, precision) finishes; one already in it is skipped, so a stopped sweep loses at most the
-probe it was in. The figures, drawn from rows.jsonl alone: kl_by_depth.png, flips_by_depth.png
+flip rates per site and layer, KL and flip rate by response-position bucket) with `layers`,
+`records_of` (the guidance as a share of depth: none, last:1, L/4, L/2, all) and `kernels` (the
+rollout engine's; one engine a directory), appended as each (depth, precision) finishes; one
+already in it is skipped, so a stopped sweep loses at most the probe it was in. The figures, drawn from rows.jsonl alone: kl_by_depth.png, flips_by_depth.png
 (flip rate at the sites of every layer), kl_by_position.png (each precision's deepest depth).
 """
 
@@ -103,7 +103,8 @@ def sweep_depth(args, n_layers: int, precision: str, log=print) -> list[dict]:
   share = dict(guidances(n_layers))
   for row in rows:
     row.update(layers=n_layers, records_of=share[row["records"]], family=args.family,
-               variant=args.variant, sft_steps=args.sft_steps, warm_s=warm_s,
+               variant=args.variant, kernels=args.kernels, scan_decode=args.scan_decode,
+               sft_steps=args.sft_steps, warm_s=warm_s,
                probe_s=time.perf_counter() - start)
   log(f"# {n_layers} layers, {precision}: warm start {warm_s:.0f}s, probe "
       f"{time.perf_counter() - start:.0f}s")
@@ -243,6 +244,11 @@ def main(argv=None):
     if not rows:
       raise SystemExit(f"{os.path.join(args.out, ROWS)}: no rows to draw figures from")
   else:
+    held = {r.get("kernels", "xla") for r in rows} - {args.kernels}
+    if held:  # one engine a directory: its figures compare depths, not engines
+      print(f"--out={args.out} holds rows of the {', '.join(sorted(held))} engine; sweep "
+            f"--kernels={args.kernels} into another directory", file=sys.stderr)
+      raise SystemExit(2)
     done = {(r["layers"], r["rollout_quant"]) for r in rows}
     for n_layers in args.depths:
       for precision in args.precisions:

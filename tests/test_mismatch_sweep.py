@@ -78,6 +78,32 @@ def test_a_sweep_stopped_between_precisions_resumes_at_the_missing_one(tmp_path,
   assert len(rows) == 2 * (len(_rows((2,))) + len(_rows((4,))))
 
 
+def test_rows_name_their_engine_and_one_directory_holds_one_engine(tmp_path, monkeypatch,
+                                                                    capsys):
+  """Each row says which rollout kernels produced it; a sweep on other kernels than the rows
+  already in --out is refused before any work (rows of older sweeps, without the key, are
+  XLA's), so one directory's figures never mix engines."""
+  out = tmp_path / "sweep"
+  ran = []
+  fake = _fake_sweep_depth(ran)
+  monkeypatch.setattr(sweep, "sweep_depth",
+                      lambda args, n, p, log=print: [dict(r, kernels=args.kernels)
+                                                     for r in fake(args, n, p, log)])
+  sweep.main([f"--out={out}", "--depths=2", "--precisions=mxfp4", "--kernels=pallas"])
+  assert {r["kernels"] for r in sweep.read_rows(str(out))} == {"pallas"}
+  with pytest.raises(SystemExit):
+    sweep.main([f"--out={out}", "--depths=2,4", "--precisions=mxfp4"])
+  assert "holds rows of the pallas engine" in capsys.readouterr().err
+  assert ran == [(2, "mxfp4")]
+  old = tmp_path / "old"
+  old.mkdir()
+  with open(old / sweep.ROWS, "w") as fh:  # rows without the key
+    fh.writelines(json.dumps(r) + "\n" for r in _rows((2,)))
+  with pytest.raises(SystemExit):
+    sweep.main([f"--out={old}", "--depths=2", "--kernels=pallas"])
+  assert "holds rows of the xla engine" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag,message", [
     ("--depths=4,x", "--depths='4,x'"), ("--depths=0,4", "every depth must be >= 1"),
     ("--family=nope", "no configs/nope.py"), ("--max_new_tokens=0", "--max_new_tokens must be"),
