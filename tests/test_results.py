@@ -353,7 +353,8 @@ def test_the_gpu_scale_is_the_gpu_policy_on_harder_tasks_with_its_own_command(ca
   assert ablation_config.get_config(arg) == c
   r = ablation.run_config("reasoning", "bf16", 0, scale="gpu")
   assert (r.task.reasoning.min_terms, r.task.reasoning.max_terms, r.task.reasoning.max_digits) == (
-      3, 4, 3)
+      3, 3, 2)
+  assert (r.sft.steps, r.rl.steps) == (500, 200)
   assert ablation.config_arg("reasoning", "bf16", 0) == "family=reasoning,mode=bf16,seed=0"
   with pytest.raises(SystemExit):
     ablation.main(["--scale=tpu"])
