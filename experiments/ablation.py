@@ -267,21 +267,30 @@ def main(argv=None):
         if mode == "bf16":  # post-hoc FP4: the bf16-trained policy on the MXFP4 engine
           fam["runs"][key]["posthoc_fp4_accuracy"] = fp4_eval(workdir)
         fresh.add(seed)
-      # the headline numbers: the lowest seed recorded, recomputed only from its directory
-      first = min(int(k.split("/seed")[1]) for k in fam["runs"] if k.startswith(mode + "/"))
-      if first in fresh or mode not in fam["final_eval_accuracy"]:
-        acc = fam["final_eval_accuracy"]
-        acc[mode] = fam["runs"][f"{mode}/seed{first}"]["eval_accuracy_after"]
-        if mode == "bf16":
-          acc["bf16_bf16"] = acc["bf16"]
-          if first in fresh:
-            acc["bf16_posthoc_fp4"] = fam["runs"][f"bf16/seed{first}"]["posthoc_fp4_accuracy"]
+        _headline(fam, mode, fresh)
+        summary["runtime_s"] = time.time() - start
+        curves.write(args.out, summary, runs)  # after every run: a stop keeps what is done
+      first = _headline(fam, mode, fresh)
       if mode == "trace_all" and first in fresh:
         fam["probe"] = probe(os.path.join(args.out, family, mode, f"seed{first}"))
     summary["runtime_s"] = time.time() - start
-    curves.write(args.out, summary, runs)  # after every family: a stop keeps what is done
+    curves.write(args.out, summary, runs)
   _report(figures.load(args.out), args)  # of every family the results hold, kept ones too
   print(f"done in {summary['runtime_s'] / 60:.1f} min")
+
+
+def _headline(fam: dict, mode: str, fresh: set) -> int:
+  """A family's headline numbers for a mode: the lowest seed recorded, recomputed only from its
+  directory (`fresh`: the seeds read from theirs) or where the mode has none yet -> that seed."""
+  first = min(int(k.split("/seed")[1]) for k in fam["runs"] if k.startswith(mode + "/"))
+  if first in fresh or mode not in fam["final_eval_accuracy"]:
+    acc = fam["final_eval_accuracy"]
+    acc[mode] = fam["runs"][f"{mode}/seed{first}"]["eval_accuracy_after"]
+    if mode == "bf16":
+      acc["bf16_bf16"] = acc["bf16"]
+      if first in fresh:
+        acc["bf16_posthoc_fp4"] = fam["runs"][f"bf16/seed{first}"]["posthoc_fp4_accuracy"]
+  return first
 
 
 def _report(data: curves.Results, args) -> None:

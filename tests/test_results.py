@@ -316,6 +316,41 @@ def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch,
   assert "| reasoning | bf16 |" in table
 
 
+def test_a_stop_during_a_family_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+  """The results are written after every run, not every family: a GPU call stopped by its time
+  limit in a family's second run keeps the first, and the next call (a fresh machine, none of
+  the run directories) trains only the missing run."""
+  out, figs = tmp_path / "results", tmp_path / "figures"
+  fake_results(str(out), modes=("bf16", "trace"))
+  trained, stops = [], [KeyboardInterrupt]  # the first call's time limit, in its second run
+
+  def train(c, workdir, progress=True):
+    if c.rl.mode == "trace" and stops:
+      raise stops.pop()
+    trained.append(os.path.relpath(workdir, out))
+    fake_run(workdir, c.rl.mode, sft=6, seed=c.seed)
+
+  monkeypatch.setattr(ablation, "train", train)
+  monkeypatch.setattr(ablation, "finished", lambda w, c: os.path.exists(
+      os.path.join(w, "metrics.jsonl")))
+  monkeypatch.setattr(ablation, "fp4_eval", lambda w: 0.25)
+  config = ablation.run_config
+  monkeypatch.setattr(ablation, "run_config", lambda f, m, s, smoke=False, scale="cpu": (
+      lambda c: (setattr(c.sft, "steps", 6), c)[1])(config(f, m, s, smoke, scale)))
+  args = ["--smoke", f"--out={out}", f"--figures={figs}", "--families=long_horizon",
+          "--modes=bf16,trace", "--seeds=1"]
+  with pytest.raises(KeyboardInterrupt):
+    ablation.main(args)
+  runs = figures.load(str(out)).summary["long_horizon"]["runs"]
+  assert "bf16/seed1" in runs and "trace/seed1" not in runs
+  shutil.rmtree(out / "long_horizon")  # the next call's machine has none of the directories
+  ablation.main(args)
+  assert trained == [os.path.join("long_horizon", m, "seed1") for m in ("bf16", "trace")]
+  data = figures.load(str(out))
+  assert {"bf16/seed1", "trace/seed1"} <= set(data.summary["long_horizon"]["runs"])
+  assert_summary_matches_curves(data.summary, data.curves)
+
+
 def test_training_refuses_results_it_cannot_add_to(tmp_path, capsys):
   out = tmp_path / "results"
   out.mkdir()
