@@ -19,8 +19,9 @@ DIR/rows.jsonl holds one row per (depth, precision, records, replay): the probe'
 flip rates per site and layer, KL and flip rate by response-position bucket) with `layers`,
 `records_of` (the guidance as a share of depth: none, last:1, L/4, L/2, all) and `kernels` (the
 rollout engine's; one engine a directory), appended as each (depth, precision) finishes; one
-already in it is skipped, so a stopped sweep loses at most the probe it was in. The figures, drawn from rows.jsonl alone: kl_by_depth.png, flips_by_depth.png
-(flip rate at the sites of every layer), kl_by_position.png (each precision's deepest depth).
+already in it is skipped, so a stopped sweep loses at most the probe it was in. The figures,
+drawn from rows.jsonl alone: kl_by_depth.png, flips_by_depth.png (flip rate at the sites of
+every layer), kl_by_position.png (each precision's deepest depth).
 """
 
 from __future__ import annotations

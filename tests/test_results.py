@@ -335,8 +335,13 @@ def test_a_stop_during_a_family_keeps_the_runs_it_finished(tmp_path, monkeypatch
       os.path.join(w, "metrics.jsonl")))
   monkeypatch.setattr(ablation, "fp4_eval", lambda w: 0.25)
   config = ablation.run_config
-  monkeypatch.setattr(ablation, "run_config", lambda f, m, s, smoke=False, scale="cpu": (
-      lambda c: (setattr(c.sft, "steps", 6), c)[1])(config(f, m, s, smoke, scale)))
+
+  def six_sft_steps(family, mode, seed, smoke=False, scale="cpu"):  # as fake_results' runs have
+    c = config(family, mode, seed, smoke, scale)
+    c.sft.steps = 6
+    return c
+
+  monkeypatch.setattr(ablation, "run_config", six_sft_steps)
   args = ["--smoke", f"--out={out}", f"--figures={figs}", "--families=long_horizon",
           "--modes=bf16,trace", "--seeds=1"]
   with pytest.raises(KeyboardInterrupt):
