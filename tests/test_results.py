@@ -260,6 +260,18 @@ def test_the_check_holds_once_a_full_run_is_committed(tmp_path):
     check_committed(root, tmp_path / "check_again")
 
 
+def _fake_runs_schedule(monkeypatch):
+  """The ablation's configs with the 6 supervised steps fake_results' runs have."""
+  config = ablation.run_config
+
+  def six_sft_steps(family, mode, seed, smoke=False, scale="cpu"):
+    c = config(family, mode, seed, smoke, scale)
+    c.sft.steps = 6
+    return c
+
+  monkeypatch.setattr(ablation, "run_config", six_sft_steps)
+
+
 def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch, capsys):
   """Results accumulate: a later invocation for one family and new seeds, on a machine without
   the earlier runs' directories (a fresh clone with the committed files), keeps the other
@@ -278,14 +290,7 @@ def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch,
   # post hoc FP4 of each bf16 policy trained now (kept runs have no checkpoint here)
   monkeypatch.setattr(ablation, "fp4_eval", lambda w: 0.25 if w.endswith(
       os.path.join("bf16", "seed1")) else pytest.fail(f"no checkpoint in {w}"))
-  config = ablation.run_config
-
-  def six_sft_steps(family, mode, seed, smoke=False, scale="cpu"):  # as fake_results' runs have
-    c = config(family, mode, seed, smoke, scale)
-    c.sft.steps = 6
-    return c
-
-  monkeypatch.setattr(ablation, "run_config", six_sft_steps)
+  _fake_runs_schedule(monkeypatch)
   ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=long_horizon",
                  "--modes=bf16,trace", "--seeds=0,1"])
   assert sorted(trained) == [os.path.join("long_horizon", m, "seed1") for m in ("bf16", "trace")]
@@ -334,14 +339,7 @@ def test_a_stop_during_a_family_keeps_the_runs_it_finished(tmp_path, monkeypatch
   monkeypatch.setattr(ablation, "finished", lambda w, c: os.path.exists(
       os.path.join(w, "metrics.jsonl")))
   monkeypatch.setattr(ablation, "fp4_eval", lambda w: 0.25)
-  config = ablation.run_config
-
-  def six_sft_steps(family, mode, seed, smoke=False, scale="cpu"):  # as fake_results' runs have
-    c = config(family, mode, seed, smoke, scale)
-    c.sft.steps = 6
-    return c
-
-  monkeypatch.setattr(ablation, "run_config", six_sft_steps)
+  _fake_runs_schedule(monkeypatch)
   args = ["--smoke", f"--out={out}", f"--figures={figs}", "--families=long_horizon",
           "--modes=bf16,trace", "--seeds=1"]
   with pytest.raises(KeyboardInterrupt):
