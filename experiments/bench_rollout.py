@@ -12,7 +12,9 @@ under either, an optional third field picks the decode attention's backend:
 `mxfp4:pallas:mosaic` the Mosaic attention kernel, `:triton` the Triton one, `:auto`, the
 engine's default, the one measured faster for the cache's format; a suffix `+scan` runs the
 decode step as a scan over stacked layers, `engine.scan_decode`; `+w4a4` on a pallas variant
-the MXFP4 matmuls on the W4A4 kernels, `engine.w4a4`) and
+the MXFP4 matmuls on the W4A4 kernels, `engine.w4a4`; `+halves` on a pallas variant the FP4
+weights tiled in the "halves" nibble order, whose Mosaic matmuls take x as it is, without the
+even/odd split and transpose the default "pairs" order needs: `make_ops(fp4_order=...)`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -59,13 +61,13 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:palla
             "mxfp4:triton", "nvfp4:triton")
 
 
-SUFFIXES = ("+scan", "+w4a4")
+SUFFIXES = ("+scan", "+w4a4", "+halves")
 
 
-def parse_variant(v: str) -> tuple[str, str, str, bool, bool]:
-  """A variant, "precision:kernels[:attention][+scan][+w4a4]" -> (precision, kernels, attention
-  backend, whether the decode step scans its layers, whether MXFP4 matmuls run the W4A4
-  kernels)."""
+def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
+  """A variant, "precision:kernels[:attention][+scan][+w4a4][+halves]" -> (precision, kernels,
+  attention backend, whether the decode step scans its layers, whether MXFP4 matmuls run the
+  W4A4 kernels, the FP4 weights' nibble order for the Mosaic matmuls)."""
   name, flags = v, set()
   while name.endswith(SUFFIXES):
     suffix = next(x for x in SUFFIXES if name.endswith(x))
@@ -73,12 +75,15 @@ def parse_variant(v: str) -> tuple[str, str, str, bool, bool]:
   parts = name.split(":")
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
-      len(parts) == 3 and parts[1] == "xla") or ("+w4a4" in flags and parts[1] != "pallas"):
+      len(parts) == 3 and parts[1] == "xla") or (
+          flags & {"+w4a4", "+halves"} and parts[1] != "pallas"):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
-                     "a pallas one with +w4a4 (the W4A4 matmuls)")
-  return parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags
+                     "a pallas one with +w4a4 (the W4A4 matmuls) or +halves (FP4 weights in "
+                     "the 'halves' nibble order)")
+  return (parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags,
+          "halves" if "+halves" in flags else "pairs")
 
 
 def random_cache(shapes: list, key) -> list:
@@ -315,12 +320,12 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
-    precision, kernels, attention, scan, w4a4 = parse_variant(variant)
+    precision, kernels, attention, scan, w4a4, order = parse_variant(variant)
     layout = "pallas" if kernels == "pallas" else "xla"  # "triton": FP4 weights packed plainly
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
-    ops = make_ops(layout, w4a4=w4a4)
-    layout += "+w4a4" if w4a4 else ""
+    ops = make_ops(layout, w4a4=w4a4, fp4_order=order)
+    layout += ("+w4a4" if w4a4 else "") + ("+halves" if order == "halves" else "")
     if (precision, layout, scan) not in packed:  # one packing alive at a time
       packed = weights = state = out = None  # nor the last variant's cache
       packed = {}

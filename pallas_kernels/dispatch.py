@@ -49,6 +49,7 @@ from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_mat
 from pallas_kernels.fp4_matmul import mosaic, w4a4
 from pallas_kernels.fp4_matmul import w4a4_layout
 from pallas_kernels.fp4_matmul.layout import FORMATS as FP4_WEIGHT_FORMATS
+from pallas_kernels.fp4_matmul.layout import ORDERS as FP4_ORDERS
 from pallas_kernels.fp4_matmul.layout import TiledFP4, tile, untile
 from pallas_kernels.quantize_record import quantize_and_record
 from pallas_kernels.quantize_record.reference import FORMATS as _RECORD_FORMATS
@@ -65,13 +66,17 @@ _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
 def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16,
-             w4a4: bool = False):
+             w4a4: bool = False, fp4_order: str = "pairs"):
   """The rollout path's ops for `kernels` ("xla" | "pallas") and, under "pallas", the decode
   attention's backend ("auto" | "triton" | "mosaic"); act_dtype: the model's activations
   (the kernels take bf16). `w4a4`: MXFP4 projections and experts whose input the recipe
-  quantizes to MXFP4 run the W4A4 kernels (`KernelOps`)."""
+  quantizes to MXFP4 run the W4A4 kernels (`KernelOps`). `fp4_order`: the nibble order the
+  weight sync tiles FP4 weights in for the Mosaic matmuls (`layout.ORDERS`: "halves" takes x
+  as it is, "pairs" its even and odd K columns transposed)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+  if fp4_order not in FP4_ORDERS:
+    raise ValueError(f"fp4_order must be one of {FP4_ORDERS}, got {fp4_order!r}")
   if attention_kernel not in ATTENTION_KERNELS:
     raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
                      f"{attention_kernel!r}")
@@ -84,7 +89,7 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
                      f"{jnp.dtype(act_dtype).name}")
   if w4a4 and jax.default_backend() == "gpu" and not mosaic.available():
     raise ValueError("w4a4 needs Hopper's FP8 wgmma (the Mosaic GPU kernels); this GPU has none")
-  return KernelOps(attention_kernel, w4a4=w4a4)
+  return KernelOps(attention_kernel, w4a4=w4a4, fp4_order=fp4_order)
 
 
 def _interpret() -> bool:
@@ -119,17 +124,17 @@ def _tiles(w) -> dict | None:
   return _bf16_tiles(w)
 
 
-def _weight_layout(w):
+def _weight_layout(w, order: str = "pairs"):
   """A rollout weight in the layout its kernel reads: MXFP4 / NVFP4 projections the Mosaic GPU
   kernels take (N and K multiples of 64) tiled for them (`TiledFP4`, the same bytes permuted);
   anything else as it is. On a GPU without those kernels (not Hopper) nothing is tiled: the
   Triton kernels there would take every tiled weight back each step. (Other backends tile, so
-  that the interpret-mode tests run the layout.)"""
+  that the interpret-mode tests run the layout.) `order`: the tiles' nibble order."""
   if jax.default_backend() == "gpu" and not mosaic.available():
     return w
   if (isinstance(w, QArray) and w.fmt.name in _FP4_WEIGHTS and w.axis == -2
       and w.shape[-1] % 64 == 0 and w.shape[-2] % 64 == 0):
-    return tile(w)
+    return tile(w, order)
   return w
 
 
@@ -211,14 +216,14 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
                           interpret=_interpret())
 
 
-def _w4a4_weight_layout(w):
+def _w4a4_weight_layout(w, order: str = "pairs"):
   """With W4A4: MXFP4 projections and experts ([K, N] or [E, K, N] quantized along K, N and K
   multiples of 64) in the W4A4 kernels' layout (`w4a4_layout.TiledW4`); others as
   `_weight_layout` lays them out."""
   if (isinstance(w, QArray) and w.fmt.name == "mxfp4" and w.axis == -2
       and w.shape[-1] % w4a4_layout.ROWS == 0 and w.shape[-2] % w4a4_layout.CHUNK_K == 0):
     return w4a4_layout.tile(w)
-  return _weight_layout(w)
+  return _weight_layout(w, order)
 
 
 def _rows(xq: QArray) -> QArray:
@@ -258,16 +263,23 @@ class KernelOps(XlaOps):
   handed no such activation (its site left in bf16) is XLA's, on the weight dequantized.
   `activation_stats` counts the blocks of each activation the kernel's E4M3 fold cannot hold
   (`w4a4.fold_misses`: such a call takes the kernel's exact branch), the engine's
-  "w4a4_fold_misses"."""
+  "w4a4_fold_misses".
+
+  `fp4_order`: the nibble order of the FP4 weights it tiles for the Mosaic matmuls
+  (`layout.ORDERS`); the kernels read each weight's own, so weights tiled either way run."""
 
   name = "pallas"
 
-  def __init__(self, attention_kernel: str = "auto", w4a4: bool = False):
+  def __init__(self, attention_kernel: str = "auto", w4a4: bool = False,
+               fp4_order: str = "pairs"):
     self.attention_kernel = attention_kernel
     self.w4a4 = w4a4
+    self.fp4_order = fp4_order
 
   def weight_layout(self, w):
-    return _w4a4_weight_layout(w) if self.w4a4 else _weight_layout(w)
+    if self.w4a4:
+      return _w4a4_weight_layout(w, self.fp4_order)
+    return _weight_layout(w, self.fp4_order)
 
   def dense(self, w) -> jax.Array:
     if isinstance(w, w4a4_layout.TiledW4):

@@ -9,15 +9,18 @@ from experiments import bench_rollout
 
 def test_bench_rollout_variant_names():
   parse = bench_rollout.parse_variant
-  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False)
-  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic", False, False)
-  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False)
-  assert parse("mxfp4:pallas:mosaic+scan") == ("mxfp4", "pallas", "mosaic", True, False)
-  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True)
+  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, "pairs")
+  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic", False, False, "pairs")
+  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, "pairs")
+  assert parse("mxfp4:pallas:mosaic+scan") == ("mxfp4", "pallas", "mosaic", True, False, "pairs")
+  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True, "pairs")
   assert parse("mxfp4:pallas+w4a4+scan") == parse("mxfp4:pallas+scan+w4a4") == (
-      "mxfp4", "pallas", "auto", True, True)
+      "mxfp4", "pallas", "auto", True, True, "pairs")
+  assert parse("nvfp4:pallas+halves") == ("nvfp4", "pallas", "auto", False, False, "halves")
+  assert parse("mxfp4:pallas+halves+scan") == ("mxfp4", "pallas", "auto", True, False, "halves")
   for bad in ("mxfp4:xla:mosaic", "mxfp4:pallas:flash", "fp8:pallas", "mxfp4:pallas:mosaic:x",
-              "mxfp4", "mxfp4:pallas+scanned", "+scan", "mxfp4:xla+w4a4", "mxfp4:triton+w4a4"):
+              "mxfp4", "mxfp4:pallas+scanned", "+scan", "mxfp4:xla+w4a4", "mxfp4:triton+w4a4",
+              "mxfp4:xla+halves", "mxfp4:triton+halves"):
     with pytest.raises(ValueError, match=re.escape(f"unknown variant '{bad}'")):
       parse(bad)
 

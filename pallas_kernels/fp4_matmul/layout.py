@@ -6,6 +6,20 @@ weight is stored pre-tiled: codes [(E,) N/64, K/64, 64, 32] (output rows 64 at a
 chunks of 64 values, a chunk's 64 x 32 bytes contiguous) and scales [(E,) N/64, K/block, 64].
 The tiling is a permutation of the packed bytes, done where weights are packed (the weight
 sync), never per step; `untile` gives back the [K, N] (or [E, K, N]) `QArray`, bit for bit.
+
+Within a tile row the nibbles come in one of two orders (`ORDERS`):
+- "pairs": the packed bytes as they are, byte b holding K values 2b (low nibble) and 2b + 1;
+  the kernel decodes each register's low nibbles and its high nibbles into two separate A
+  operands and multiplies them with x's even and odd K columns (`mosaic._body`), which the
+  caller splits out of x beforehand.
+- "halves": each group of 16 K values (8 bytes) holds values p and p + 8 in byte p, the first
+  half of the group in the low nibbles and the second in the high ones. A thread of wgmma's
+  A-operand layout then decodes from one register of two bytes (at columns 2q, 2q + 1 of an
+  8-byte column tile) the low-nibble pair of K values 16j + 2q, 16j + 2q + 1 and the
+  high-nibble pair 16j + 8 + 2q, 16j + 9 + 2q: exactly the two registers it holds of a
+  [64, 64] bf16 tile in K's own order. The decode is the same PTX; x is multiplied as it is,
+  no even/odd split. A 16-value group lies inside one MXFP4 (32) or NVFP4 (16) block, so the
+  scales do not move.
 """
 
 from __future__ import annotations
@@ -22,20 +36,24 @@ from trace_jax.quant.formats import Format
 ROWS = 64  # output rows (N) a tile: the wgmma A operand's M
 CHUNK = 32  # code bytes a tile row: 64 K values, two MXFP4 blocks, four NVFP4 ones
 FORMATS = ("mxfp4", "nvfp4_tensor")
+ORDERS = ("pairs", "halves")  # the nibbles' order within a tile row (module docstring)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["codes", "scales", "global_scale"], meta_fields=["fmt"])
+                   data_fields=["codes", "scales", "global_scale"],
+                   meta_fields=["fmt", "order"])
 @dataclasses.dataclass(frozen=True)
 class TiledFP4:
   """An MXFP4 or per-tensor NVFP4 weight [K, N] (or per-expert [E, K, N]) quantized along K, in
   the wgmma kernels' layout: codes uint8 [(E,) N/64, K/64, 64, 32], scales uint8
-  [(E,) N/64, K/block, 64], global_scale float32 [] (or [E]; 1 for MXFP4). Made by `tile`."""
+  [(E,) N/64, K/block, 64], global_scale float32 [] (or [E]; 1 for MXFP4); `order` the
+  nibbles' order in a tile row (`ORDERS`). Made by `tile`."""
 
   codes: jax.Array
   scales: jax.Array
   global_scale: jax.Array
   fmt: Format
+  order: str = "pairs"
 
   @property
   def grouped(self) -> bool:
@@ -64,11 +82,27 @@ def _kmajor(w: QArray) -> tuple[jax.Array, jax.Array]:
   return jnp.swapaxes(w.codes, -1, -2), jnp.swapaxes(w.scales, -1, -2)
 
 
-def tile(w: QArray) -> TiledFP4:
+def _halves(codes: jax.Array) -> jax.Array:
+  """Packed K-major codes [..., K/2] (byte b: K values 2b, 2b + 1) -> the "halves" order (byte
+  p of each 8: values p and p + 8 of its 16)."""
+  nib = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1, 2, 8)
+  return (nib[..., 0, :] | nib[..., 1, :] << 4).reshape(codes.shape)
+
+
+def _pairs(codes: jax.Array) -> jax.Array:
+  """The inverse of `_halves`."""
+  g = codes.reshape(*codes.shape[:-1], -1, 8)
+  nib = jnp.concatenate([g & 15, g >> 4], axis=-1).reshape(*g.shape[:-1], 8, 2)
+  return (nib[..., 0] | nib[..., 1] << 4).reshape(codes.shape)
+
+
+def tile(w: QArray, order: str = "pairs") -> TiledFP4:
   """A packed FP4 weight -> `TiledFP4` (a layout change; no value changes). Takes [K, N]
   quantized along K (axis 0), its K-major transpose [N, K] (axis 1, `reference.transpose`), or
   per-expert weights [E, K, N] quantized along K (NVFP4: one global per expert, or one for all,
-  which is then repeated per expert)."""
+  which is then repeated per expert). `order`: the nibbles' order in a tile row (`ORDERS`)."""
+  if order not in ORDERS:
+    raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
   if not isinstance(w, QArray):
     raise ValueError(f"tile takes a packed FP4 weight (QArray), got {type(w).__name__}")
   grouped = w.codes.ndim == 3
@@ -83,6 +117,8 @@ def tile(w: QArray) -> TiledFP4:
   if n % ROWS or k2 % CHUNK:
     raise ValueError(f"the wgmma kernels need N ({n}) divisible by {ROWS} and K ({2 * k2}) by "
                      f"{2 * CHUNK}")
+  if order == "halves":
+    codes = _halves(codes)
   codes = codes.reshape(*lead, n // ROWS, ROWS, k2 // CHUNK, CHUNK)
   scales = scales.reshape(*lead, n // ROWS, ROWS, scales.shape[-1])
   if w.global_scale is None:
@@ -90,7 +126,7 @@ def tile(w: QArray) -> TiledFP4:
   else:
     g = w.global_scale.astype(jnp.float32)
     g = jnp.broadcast_to(g.reshape(()), lead) if g.size == 1 else g.reshape(lead)
-  return TiledFP4(jnp.swapaxes(codes, -3, -2), jnp.swapaxes(scales, -2, -1), g, w.fmt)
+  return TiledFP4(jnp.swapaxes(codes, -3, -2), jnp.swapaxes(scales, -2, -1), g, w.fmt, order)
 
 
 def untile(t: TiledFP4) -> QArray:
@@ -99,6 +135,8 @@ def untile(t: TiledFP4) -> QArray:
   global per expert)."""
   *lead, n_tiles, k_chunks, rows, chunk = t.codes.shape
   codes = jnp.swapaxes(t.codes, -3, -2).reshape(*lead, n_tiles * rows, k_chunks * chunk)
+  if t.order == "halves":
+    codes = _pairs(codes)
   scales = jnp.swapaxes(t.scales, -2, -1).reshape(*lead, n_tiles * rows, -1)
   g = None if t.fmt.name == "mxfp4" else t.global_scale.reshape(*lead, 1, 1)
   return QArray(jnp.swapaxes(codes, -1, -2), jnp.swapaxes(scales, -1, -2), g, t.fmt, -2)

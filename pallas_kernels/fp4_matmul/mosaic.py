@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 import numpy as np
 
 from pallas_kernels.fp4_matmul.kernel import e2m1_bf16, e2m1_nibbles_asm, e4m3_f32
-from pallas_kernels.fp4_matmul.layout import CHUNK, ROWS, TiledFP4
+from pallas_kernels.fp4_matmul.layout import CHUNK, ORDERS, ROWS, TiledFP4
 from pallas_kernels.fp4_matmul.tiling import default_splits, tile_rows
 
 # one 16-bit pair of codes bytes -> the bf16 pairs of its low and of its high nibbles, scaled
@@ -64,14 +64,16 @@ def _decode(codes16, scale, fmt):
   return (e2m1_bf16(codes16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
-def _decode_asm(tiles, rows, fmt):
+def _decode_asm(tiles, rows, fmt, order="pairs"):
   """uint8 codes tiles ([64, CHUNK] each, consecutive along K) in the A operand's layout and
   the scale rows of their blocks ([64] each, `_scale_row`) -> the bf16 values of the low and of
   the high nibbles, [64, CHUNK x tiles] each (the tiles side by side), by the PTX of the Triton
   kernels, both nibbles of a pair of bytes in one asm (`E2M1_NIBBLES_ASM`: ~3.5 instructions a
   value, exact). Each register holds two codes bytes of one row; which block's scale it takes
   is fixed by its place in the layout (WGMMA: [64, 8]-column tiles, rows r and r + 8 a thread),
-  so no select."""
+  so no select. Codes in the "halves" order (`layout.ORDERS`) give instead one [64, 2 x CHUNK x
+  tiles] tile of the values in K's order: a codes column tile's low-nibble registers are the
+  bf16 column tile 2j's, its high-nibble ones 2j + 1's (nothing moves but register names)."""
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -80,11 +82,12 @@ def _decode_asm(tiles, rows, fmt):
 
   wgmma = plgpu.Layout.WGMMA
   out = plgpu.ShapeDtypeStruct((64, CHUNK * len(tiles)), jnp.bfloat16, wgmma)
+  both_out = plgpu.ShapeDtypeStruct((64, 2 * CHUNK * len(tiles)), jnp.bfloat16, wgmma)
   cols_per_block = (16 if fmt == "mxfp4" else 8) // 8  # [64, 8] column tiles a block
 
   @plgpu.inline_mgpu(arg_types=(tuple(wgmma for _ in tiles),
                                 tuple(wgmma.reduce(1) for _ in rows)),
-                     return_type=(out, out))
+                     return_type=(out, out) if order == "pairs" else both_out)
   def decode(_, tiles, rows):
     i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -111,9 +114,12 @@ def _decode_asm(tiles, rows, fmt):
           regs[nibble][idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [i]), pair)
       for nibble in parts:
         parts[nibble].append(regs[nibble])
-    return tuple(mgpu.FragmentedArray(_registers=np.concatenate(parts[nibble], axis=1),
-                                      _layout=tiles[0].layout, _is_signed=None)
-                 for nibble in ("lo", "hi"))
+    lo, hi = (np.concatenate(parts[nibble], axis=1) for nibble in ("lo", "hi"))
+    if order == "halves":  # column tiles lo_0, hi_0, lo_1, hi_1, ...
+      both = np.stack([lo, hi], axis=2).reshape(lo.shape[0], 2 * lo.shape[1], *lo.shape[2:])
+      return mgpu.FragmentedArray(_registers=both, _layout=tiles[0].layout, _is_signed=None)
+    return tuple(mgpu.FragmentedArray(_registers=r, _layout=tiles[0].layout, _is_signed=None)
+                 for r in (lo, hi))
 
   return decode(tuple(tiles), tuple(rows))
 
@@ -128,7 +134,7 @@ def _load(ref, layout):
 
 
 def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n, block_k2,
-          steps, max_concurrent_steps, decode, tile_m=None):
+          steps, max_concurrent_steps, decode, tile_m=None, order="pairs"):
   """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
   one [64, tile_m] tile of the grouped product: token tile t of x times expert tile_expert[t]'s
   weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
@@ -139,17 +145,23 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   bytes) let one decoded chunk (32 K values) go in alone; 64 tokens and more (128-byte rows)
   need 64, so two chunks are decoded side by side. The "jnp" decode instead takes the tokens in
   groups of 32, each group with its own accumulator. Either way a chunk is decoded once for all
-  the tokens."""
+  the tokens.
+
+  With codes in the "halves" order (`layout.ORDERS`; "asm" decode only) xe_gmem is x itself,
+  [M, K] (xo_gmem unused): a chunk decodes to one [64, 64] A tile in K's order, and the
+  instruction's B is x's [tokens, 64] tile of shared memory read transposed (K-major, one
+  128-byte swizzle a row), for every M in one accumulator."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   *table, out_gmem = rest
   ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
   ti = jax.lax.axis_index("t") if table else 0
-  m = tile_m or xe_gmem.shape[1]
+  halves = order == "halves"
+  m = tile_m or xe_gmem.shape[0 if halves else 1]
   # 32 K values an instruction while x's rows are at most 64 bytes (16 or 32 tokens; the
   # "jnp" decode at any M, in groups of 32 tokens), else 64: two chunks decoded side by side
   wide = m > TOKEN_GROUP and decode == "asm" and block_k2 % (2 * CHUNK) == 0
   k_tiles = 2 if wide else 1  # code tiles an instruction
-  width = m if wide else min(m, TOKEN_GROUP)  # tokens an accumulator
+  width = m if wide or halves else min(m, TOKEN_GROUP)  # tokens an accumulator
   groups = m // width
   per_scale = 16 if fmt == "mxfp4" else 8  # packed columns per scale
   wgmma = plgpu.Layout.WGMMA
@@ -174,7 +186,20 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
       tile = full if tile is None else jnp.where(col == b, full, tile)
     return tile
 
+  def step_halves(_, x_smem, codes_smem, scales_smem, accs):
+    per = CHUNK // per_scale
+    for j in range(block_k2 // CHUNK):
+      rows = [plgpu.layout_cast(_scale_row(_load(scales_smem.at[0, j * per + b], row_l), fmt,
+                                           g), row_l) for b in range(per)]
+      a = _decode_asm([_load(codes_smem.at[0, j], wgmma)], rows, fmt, order)
+      x_t = plgpu.transpose_ref(x_smem.at[:, pl.ds(j * 2 * CHUNK, 2 * CHUNK)], (1, 0))
+      plgpu.wgmma(accs[0], a, x_t)
+    plgpu.wgmma_wait(0)
+    return accs
+
   def step(_, *smem, accs):
+    if halves:
+      return step_halves(_, *smem, accs)
     xe_smem, xo_smem = smem[:groups], smem[groups:2 * groups]
     codes_smem, scales_smem = smem[2 * groups:]
     for j in range(0, block_k2 // CHUNK, k_tiles):
@@ -201,18 +226,24 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   k0 = si * steps
   x_specs = [plgpu.BlockSpec((block_k2, width), lambda k, c=c: (k0 + k, ti if table else c))
              for c in range(groups)]
+  x_gmems = [xe_gmem] * groups + [xo_gmem] * groups
+  if halves:  # x [M, K] itself: the tokens' rows, 2 x block_k2 K values a step
+    x_specs = [plgpu.BlockSpec((m, 2 * block_k2), lambda k: (ti, k0 + k))]
+    x_gmems = [xe_gmem]
+  else:
+    x_specs = x_specs * 2
 
   def acc_scope(*accs):
     plgpu.emit_pipeline(
         functools.partial(step, accs=accs),
         grid=(steps,),
         in_specs=[
-            *x_specs, *x_specs,
+            *x_specs,
             plgpu.BlockSpec((1, chunks, 64, CHUNK), lambda k: (wi, k0 + k, 0, 0)),
             plgpu.BlockSpec((1, scale_cols, 64), lambda k: (wi, k0 + k, 0)),
         ],
         max_concurrent_steps=max_concurrent_steps,
-    )(*[xe_gmem] * groups, *[xo_gmem] * groups, codes_gmem, scales_gmem)
+    )(*x_gmems, codes_gmem, scales_gmem)
     return tuple(acc_ref[...] for acc_ref in accs)
 
   def tile():
@@ -239,23 +270,45 @@ def _store(acc, out_gmem, si, ni, block_n, cols=slice(None)):
     plgpu.wait_smem_to_gmem(0)
 
 
+def _without_xo(body):
+  """`_body` for the "halves" order, which has x alone (no odd columns)."""
+  def with_x(x_gmem, *refs):
+    return body(x_gmem, None, *refs)
+  return with_x
+
+
+def _x_operands(xs, order: str, decode: str) -> tuple[int, int]:
+  """(K/2, M) of the kernels' x operands: "pairs" x's even and odd K columns transposed
+  (xe_t, xo_t [K/2, M]), "halves" x itself ([M, K], "asm" decode only)."""
+  if order not in ORDERS:
+    raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+  if decode not in ("asm", "jnp") or order == "halves" and decode != "asm":
+    raise ValueError(f"decode must be 'asm' or 'jnp' ('asm' for the 'halves' order), got "
+                     f"{decode!r}")
+  if len(xs) != (2 if order == "pairs" else 1):
+    raise ValueError(f"the {order!r} order takes x as "
+                     f"{'(xe_t, xo_t)' if order == 'pairs' else '(x,)'}, got {len(xs)} arrays")
+  if order == "pairs":
+    return xs[0].shape
+  return xs[0].shape[1] // 2, xs[0].shape[0]
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
-                                             "max_concurrent_steps", "decode"))
-def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
+                                             "max_concurrent_steps", "decode", "order"))
+def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
                        block_k2: int = 256, splits: int = 1, max_concurrent_steps: int = 4,
-                       decode: str = "asm"):
-  """x's even and odd K columns transposed (xe_t, xo_t: [K/2, M]; M 16, 32 or a multiple of 32),
-  a weight in the layout of `layout.tile` (codes [N/64, K/64, 64, 32], scales
+                       decode: str = "asm", order: str = "pairs"):
+  """x (`xs`: for codes in the "pairs" order x's even and odd K columns transposed, (xe_t,
+  xo_t) [K/2, M]; for "halves", (x,) [M, K]; M 16, 32 or a multiple of 32), a weight in the
+  layout of `layout.tile` (codes [N/64, K/64, 64, 32] in that `order`, scales
   [N/64, K/block, 64]), NVFP4's float32 global [1] (ignored for MXFP4) -> float32
   [splits, N, M] partials of y^T.
   decode: "asm" (the PTX of `_decode_asm`) or "jnp" (integer operations and a select chain)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  k2, m = xe_t.shape
-  n = codes.shape[0] * 64
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
-  if decode not in ("asm", "jnp"):
-    raise ValueError(f"decode must be 'asm' or 'jnp', got {decode!r}")
+  k2, m = _x_operands(xs, order, decode)
+  n = codes.shape[0] * 64
   if codes.shape[1:] != (k2 // CHUNK, 64, CHUNK) or m % (16 if m <= 32 else 32) or m > MAX_M \
       or k2 % (block_k2 * splits) or block_k2 % CHUNK:
     raise ValueError(f"the wgmma kernel needs tiled codes [N/64, K/64, 64, 32] (got "
@@ -268,32 +321,35 @@ def fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, *, fmt: str,
                      f"{scales.shape}: a weight of the other format, or not from layout.tile")
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
-                           max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode)
+                           max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
+                           order=order)
+  if order == "halves":
+    body = _without_xo(body)
   body.__name__ = "fp4_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
       grid=(n // 64, splits), grid_names=("n", "s"),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(xe_t, xo_t, codes, scales, jnp.reshape(global_scale, (1,)).astype(jnp.float32))
+  )(*xs, codes, scales, jnp.reshape(global_scale, (1,)).astype(jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
-                                             "max_concurrent_steps", "decode"))
-def grouped_fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, tile_expert, *,
+                                             "max_concurrent_steps", "decode", "order"))
+def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
                                fmt: str, block_k2: int = 128, splits: int = 1,
-                               max_concurrent_steps: int = 4, decode: str = "asm"):
-  """The grouped form of `fp4_wgmma_partials`: x's columns in 16-token tiles (xe_t, xo_t
-  [K/2, 16 x tiles]), per-expert tiled weights (codes [E, N/64, K/64, 64, 32], scales
-  [E, N/64, K/block, 64], globals [E]), tile_expert [tiles + 1] (each tile's expert, then the
-  tiles in use) -> float32 [splits, N, 16 x tiles] partials of y^T; the columns of unused tiles
-  are left unwritten."""
+                               max_concurrent_steps: int = 4, decode: str = "asm",
+                               order: str = "pairs"):
+  """The grouped form of `fp4_wgmma_partials`: x in 16-token tiles (`xs`: "pairs" (xe_t, xo_t)
+  [K/2, 16 x tiles], "halves" (x,) [16 x tiles, K]), per-expert tiled weights (codes
+  [E, N/64, K/64, 64, 32] in that `order`, scales [E, N/64, K/block, 64], globals [E]),
+  tile_expert [tiles + 1] (each tile's expert, then the tiles in use) -> float32
+  [splits, N, 16 x tiles] partials of y^T; the columns of unused tiles are left unwritten."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  k2, r = xe_t.shape
+  if fmt not in ("mxfp4", "nvfp4"):
+    raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+  k2, r = _x_operands(xs, order, decode)
   e, n = codes.shape[0], codes.shape[1] * 64
-  if fmt not in ("mxfp4", "nvfp4") or decode not in ("asm", "jnp"):
-    raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4' and decode 'asm' or 'jnp', got {fmt!r}, "
-                     f"{decode!r}")
   want = (e, n // 64, k2 // (16 if fmt == "mxfp4" else 8), 64)
   if (codes.shape[2:] != (k2 // CHUNK, 64, CHUNK) or scales.shape != want or r % 16
       or tile_expert.shape != (r // 16 + 1,) or k2 % (block_k2 * splits) or block_k2 % CHUNK):
@@ -305,7 +361,9 @@ def grouped_fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, tile_exp
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
-                           tile_m=16)
+                           tile_m=16, order=order)
+  if order == "halves":
+    body = _without_xo(body)
   # the last grid axis is CUDA's x (up to 2^31 blocks), the others y and z (up to 65535): the
   # token tiles go on x when there are more (prefill)
   grid, names = ((n // 64, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
@@ -316,7 +374,7 @@ def grouped_fp4_wgmma_partials(xe_t, xo_t, codes, scales, global_scale, tile_exp
       grid=grid, grid_names=names,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(xe_t, xo_t, codes.reshape(-1, *codes.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
+  )(*xs, codes.reshape(-1, *codes.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
     jnp.reshape(global_scale, (e,)).astype(jnp.float32), tile_expert.astype(jnp.int32))
 
 
@@ -429,7 +487,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert) for
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
   kernel (compiled Hopper only): each group padded to 16-token tiles, each tile against its
-  expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero."""
+  expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero. A weight in the
+  "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are."""
   _check_tiled(w, True, "grouped_fp4_matmul")
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
@@ -439,20 +498,31 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
   src, tile_expert, dest = tile_rows(group_sizes, x.shape[0], 16)
-  # x^T in a pass of its own (a tiled transpose), then the padded rows gathered as its columns:
-  # gathered and transposed in one fused pass, x's rows were read across the transpose (46 us
-  # for 2048 rows of 2048 features on the H200; split this way, the decode step's kernel time
-  # fell by 0.7% and its throughput did not move, BENCHMARKS.md)
-  xt = jax.lax.optimization_barrier(x.astype(jnp.bfloat16).T)
-  xt = jnp.take(xt, src, axis=1, mode="fill", fill_value=0)  # [K, 16 x tiles]
-  splits = splits or default_splits(xt.shape[1] // 16, n // ROWS, (k // 2) // block_k2,
-                                        programs=2 * 132, max_splits=8)
+  if w.order == "halves":  # the padded rows gathered, [16 x tiles, K]: one pass
+    xs = (jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0),)
+  else:
+    xs = _even_odd_columns(x, src)
+  splits = splits or default_splits(src.shape[0] // 16, n // ROWS, (k // 2) // block_k2,
+                                    programs=2 * 132, max_splits=8)
   partials = grouped_fp4_wgmma_partials(
-      xt[0::2], xt[1::2], w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt,
-      block_k2=block_k2, splits=splits, max_concurrent_steps=stages, decode=decode)
+      xs, w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt, block_k2=block_k2,
+      splits=splits, max_concurrent_steps=stages, decode=decode, order=w.order)
   # likewise out: each row's column of y^T gathered (along memory) in bf16, then transposed
   y_t = jnp.sum(partials, axis=0).astype(jnp.bfloat16)
   return _transposed(jnp.take(y_t, dest, axis=1, mode="fill", fill_value=0))
+
+
+def _even_odd_columns(x, src):
+  """x [T, K] -> its rows `src` (the padded tiles' sources) as the even and odd rows of x^T,
+  [K/2, len(src)] each: the "pairs" order's x operands.
+
+  x^T in a pass of its own (a tiled transpose), then the padded rows gathered as its columns:
+  gathered and transposed in one fused pass, x's rows were read across the transpose (46 us
+  for 2048 rows of 2048 features on the H200; split this way, the decode step's kernel time
+  fell by 0.7% and its throughput did not move, BENCHMARKS.md)."""
+  xt = jax.lax.optimization_barrier(x.astype(jnp.bfloat16).T)
+  xt = jnp.take(xt, src, axis=1, mode="fill", fill_value=0)  # [K, 16 x tiles]
+  return xt[0::2], xt[1::2]
 
 
 def _transposed(y_t):
@@ -467,7 +537,8 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
   """x [..., K] @ W -> [..., N] bf16 for a [K, N] weight in the kernel's layout (`layout.tile`),
   by the wgmma kernel (compiled Hopper only). Tokens go in calls of up to 256 (the instruction's
   N); block_k2 and the steps in flight default to what fits shared memory at that M (`pipeline`).
-  decode: "asm" (PTX) or "jnp"."""
+  decode: "asm" (PTX) or "jnp". A weight in the "halves" order (`layout.ORDERS`) takes x's
+  rows as they are; the "pairs" order x^T's even and odd rows."""
   _check_tiled(w, False, "fp4_matmul")
   k, n = w.shape
   x2, m, lead = _tokens(x)
@@ -484,9 +555,10 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
 
   def call(xc):  # -> y^T [N, tokens] in bf16
     xt = xc.T  # at most 256 tokens: small enough to transpose in the split's pass
-    partials = fp4_wgmma_partials(xt[0::2], xt[1::2], w.codes, w.scales, w.global_scale,
-                                  fmt=w.kernel_fmt, block_k2=block_k2, splits=splits,
-                                  max_concurrent_steps=stages, decode=decode)
+    xs = (xc,) if w.order == "halves" else (xt[0::2], xt[1::2])
+    partials = fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, fmt=w.kernel_fmt,
+                                  block_k2=block_k2, splits=splits, max_concurrent_steps=stages,
+                                  decode=decode, order=w.order)
     return jnp.sum(partials, axis=0).astype(jnp.bfloat16)
 
   y_t = call(x2) if x2.ndim == 2 else jnp.moveaxis(jax.lax.map(call, x2), 0, 1).reshape(n, -1)

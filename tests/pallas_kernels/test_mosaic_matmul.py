@@ -21,25 +21,43 @@ def kmajor_weight(seed, k, n, fmt):
   return reference.transpose(quantize(w, fmt, axis=0))
 
 
+def _halves_bytes(codes):
+  """Packed K-major codes [..., K/2] -> the "halves" order, element by element: byte p of each
+  8 holds values p (low nibble) and p + 8 (high) of its 16."""
+  codes = np.asarray(codes)
+  nib = np.empty((*codes.shape[:-1], 2 * codes.shape[-1]), np.uint8)
+  nib[..., 0::2], nib[..., 1::2] = codes & 15, codes >> 4  # value k of the row
+  out = np.empty_like(codes)
+  for b in range(codes.shape[-1]):
+    group, p = divmod(b, 8)
+    out[..., b] = nib[..., 16 * group + p] | nib[..., 16 * group + p + 8] << 4
+  return out
+
+
+@pytest.mark.parametrize("order", layout.ORDERS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_tile_is_a_layout_change(fmt):
-  """Every code byte and scale lands in the tile the kernel reads for its row and K range, and
-  `untile` gives the packed weight back, bit for bit, from either input layout."""
+def test_tile_is_a_layout_change(fmt, order):
+  """Every code byte and scale lands in the tile the kernel reads for its row and K range (in
+  the "halves" order each byte holds the two values the docstring says), and `untile` gives
+  the packed weight back, bit for bit, from either input layout."""
   n, k = 128, 256
   w = kmajor_weight(0, k, n, fmt)
-  t = layout.tile(w)
+  t = layout.tile(w, order)
   codes, scales = np.asarray(t.codes), np.asarray(t.scales)
   assert codes.shape == (n // 64, k // 64, 64, 32) and t.shape == (k, n) and not t.grouped
+  assert t.order == order
+  want = np.asarray(w.codes) if order == "pairs" else _halves_bytes(w.codes)
+  if order == "halves":
+    assert (want != np.asarray(w.codes)).mean() > 0.5  # a permutation that moves bytes
   rows, cols = np.meshgrid(np.arange(n), np.arange(k // 2), indexing="ij")
-  np.testing.assert_array_equal(codes[rows // 64, cols // 32, rows % 64, cols % 32],
-                                np.asarray(w.codes))
+  np.testing.assert_array_equal(codes[rows // 64, cols // 32, rows % 64, cols % 32], want)
   block = fmt.block_size
   rows, blocks = np.meshgrid(np.arange(n), np.arange(k // block), indexing="ij")
   np.testing.assert_array_equal(scales[rows // 64, blocks, rows % 64], np.asarray(w.scales))
   want_g = 1.0 if w.global_scale is None else float(np.asarray(w.global_scale).reshape(()))
   assert float(t.global_scale) == want_g
   kn = reference.transpose(w)  # the [K, N] weight the rollout engine holds
-  for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(layout.tile(kn))):
+  for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(layout.tile(kn, order))):
     np.testing.assert_array_equal(a, b)
   back = layout.untile(t)
   assert jax.tree.structure(back) == jax.tree.structure(kn)
@@ -56,6 +74,8 @@ def test_tile_names_what_is_wrong():
     layout.tile(quantize(jnp.ones((256, 128)), FP8, axis=0))
   with pytest.raises(ValueError, match="divisible by 64"):
     layout.tile(kmajor_weight(0, 256, 96, MXFP4))
+  with pytest.raises(ValueError, match=r"order must be one of \('pairs', 'halves'\), got 'odd'"):
+    layout.tile(w, "odd")
   with pytest.raises(ValueError, match="layout.tile"):
     mosaic.fp4_matmul(jnp.zeros((2, 256), jnp.bfloat16), w)
   with pytest.raises(ValueError, match="features"):
@@ -96,17 +116,53 @@ def test_nibbles_asm_is_the_triton_decode_of_two_bytes():
         assert ptx_emu.run(kernel.e2m1_nibbles_asm(sel), 2, [q, bf[0] | bf[1] << 16]) == want
 
 
-@pytest.mark.parametrize("decode,m", [("asm", 3), ("jnp", 3), ("asm", 40), ("asm", 256),
-                                      ("asm", 300)])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_kernels_lower_for_cuda(fmt, decode, m):
+def test_halves_registers_hold_a_tile_in_k_order(fmt):
+  """The "halves" order's A operand, modelled thread by thread from wgmma's register layout
+  (thread t of the warpgroup: rows 16 (t // 32) + (t % 32) // 4 and 8 more, columns 2 (t % 4)
+  and 2 (t % 4) + 1 of each 8-column tile; a codes register holds two bytes, a bf16 one two
+  values): each codes register decoded by the kernels' PTX (emulated) with its block's scale,
+  its low-nibble pair named bf16 column tile 2j and its high-nibble pair 2j + 1, as
+  `mosaic._decode_asm` names them, gives the weight's bf16 values in K's order, every one."""
+  n, k = 64, 128
+  t = layout.tile(kmajor_weight(11, k, n, fmt), "halves")
+  want = np.asarray(reference.dequantize_bf16(t)).T.view(np.uint16)  # [N, K] bf16 bits
+  codes, scales = np.asarray(t.codes)[0], np.asarray(t.scales)[0]  # [K/64, 64, 32], [K/b, 64]
+  g = np.float32(np.asarray(t.global_scale))
+  got = np.zeros((n, k), np.uint16)
+  for c in range(k // 64):  # a chunk: one [64, 32]-byte codes tile, a [64, 64] A tile
+    for thread in range(128):
+      warp, lane = divmod(thread, 32)
+      for h in range(2):
+        row = 16 * warp + lane // 4 + 8 * h
+        for j in range(4):  # the codes tile's 8-byte column tiles
+          col = 8 * j + 2 * (lane % 4)
+          pair = int(codes[c, row, col]) | int(codes[c, row, col + 1]) << 8
+          s = int(scales[(64 * c + 16 * j) // fmt.block_size, row])
+          if fmt is MXFP4:  # bf16 2^(s - 127) in both halves
+            scale = [s << 7 | s << 23]
+          else:  # float32 E4M3(s) x g, one a half
+            scale = [ptx_emu.f32_bits(np.asarray(kernel.e4m3_f32(jnp.uint8(s)))[()] * g)] * 2
+          lo, hi = ptx_emu.run(mosaic.E2M1_NIBBLES_ASM[t.kernel_fmt], 2, [pair, *scale])
+          for tile, word in ((2 * j, lo), (2 * j + 1, hi)):
+            kk = 64 * c + 8 * tile + 2 * (lane % 4)
+            got[row, kk], got[row, kk + 1] = word & 0xFFFF, word >> 16
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("decode,m,order", [
+    ("asm", 3, "pairs"), ("jnp", 3, "pairs"), ("asm", 40, "pairs"), ("asm", 256, "pairs"),
+    ("asm", 300, "pairs"), ("asm", 3, "halves"), ("asm", 40, "halves"), ("asm", 256, "halves")])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_kernels_lower_for_cuda(fmt, decode, m, order):
   """The whole Mosaic lowering (layout inference, wgmma's operand checks) for a CUDA target,
-  from CPU: one token group, several (40 -> 64 tokens), the most (256) and calls in sequence."""
-  w = jax.eval_shape(lambda: layout.tile(kmajor_weight(0, 512, 128, fmt)))
+  from CPU: one token group, several (40 -> 64 tokens), the most (256) and calls in sequence;
+  weights in either nibble order (the "halves" one with x's tile read transposed)."""
+  w = jax.eval_shape(lambda: layout.tile(kmajor_weight(0, 512, 128, fmt), order))
   x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
   f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, decode=decode))
   assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
-  if decode == "jnp" or m != 3:
+  if decode == "jnp" or m != 3 or order != "pairs":
     return
   if fmt is MXFP4:
     g = jax.jit(lambda x, w: mosaic.bf16_matmul(x, w, block_k=128))
@@ -115,18 +171,19 @@ def test_kernels_lower_for_cuda(fmt, decode, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode", ["asm", "jnp"])
+@pytest.mark.parametrize("decode,order", [("asm", "pairs"), ("jnp", "pairs"), ("asm", "halves")])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,k,n,block_k2", [(1, 4096, 1024, 256), (16, 2048, 768, 128),
                                             (40, 768, 2048, 64), (64, 2048, 768, None),
                                             (256, 2048, 512, None), (300, 768, 256, None)])
-def test_fp4_kernel_on_gpu(fmt, m, k, n, block_k2, decode):
+def test_fp4_kernel_on_gpu(fmt, m, k, n, block_k2, decode, order):
   """Compiled: the same bf16 weight values as the reference (XLA's dequantization), float32
-  sums in another order; one to eight token groups, and calls in sequence past 256 tokens."""
+  sums in another order; one to eight token groups, and calls in sequence past 256 tokens;
+  weights in either nibble order."""
   w = kmajor_weight(m + k, k, n, fmt)
   x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
-  got = np.asarray(mosaic.fp4_matmul(x, layout.tile(w), block_k2=block_k2, decode=decode),
-                   np.float32)
+  got = np.asarray(mosaic.fp4_matmul(x, layout.tile(w, order), block_k2=block_k2,
+                                     decode=decode), np.float32)
   want = np.asarray(reference.fp4_matmul(x, w), np.float32)
   assert not np.isnan(got).any()
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
@@ -178,9 +235,10 @@ def test_tile_of_experts_sharing_one_nvfp4_global():
   np.testing.assert_array_equal(reference.dequantize_bf16(t), reference.dequantize_bf16(w))
 
 
+@pytest.mark.parametrize("order", layout.ORDERS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_grouped_kernel_lowers_for_cuda(fmt):
-  w = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 128, fmt)))
+def test_grouped_kernel_lowers_for_cuda(fmt, order):
+  w = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 128, fmt), order))
   x = jax.ShapeDtypeStruct((20, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
   f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s))
@@ -215,16 +273,17 @@ def test_dispatch_takes_tiled_weights(fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("order", layout.ORDERS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("sizes,k,n", [((5, 0, 17, 1), 2048, 768), ((40, 3, 0, 9), 768, 2048)])
-def test_grouped_kernel_on_gpu(fmt, sizes, k, n):
+def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   """Ragged and empty groups, rows past the groups (zeros), against XLA's dequantize-ragged_dot."""
   e = len(sizes)
   w = grouped_weight(k + n, e, k, n, fmt)
   t = sum(sizes) + 3
   x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w), gs), np.float32)
+  got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs), np.float32)
   want = np.asarray(reference.grouped_fp4_matmul(x, w, gs), np.float32)
   assert not np.isnan(got).any()
   np.testing.assert_array_equal(got[sum(sizes):], 0)
@@ -245,15 +304,20 @@ def test_jax_grouped_baseline_lowers_for_cuda():
     assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).out_avals[0].shape == (t, n)
 
 
-def _emulated_partials(w_dense, grouped: bool):
+def _emulated_partials(w_dense, grouped: bool, order: str):
   """What the wgmma kernels compute, in jnp, for a weight known as its dequantized bf16 values
-  w_dense ([K, N] or [E, K, N]): y^T from x's even and odd K columns transposed, as `splits`
-  partials; the columns of unused token tiles NaN (poison: the wrappers must not read them)."""
+  w_dense ([K, N] or [E, K, N]) tiled in `order`: y^T from x's even and odd K columns
+  transposed ("pairs") or from x ("halves"), as `splits` partials; the columns of unused token
+  tiles NaN (poison: the wrappers must not read them)."""
   w32 = jnp.asarray(w_dense, jnp.float32)
 
-  def partials(xe_t, xo_t, codes, scales, global_scale, *table, splits, **kw):
-    k2, r = xe_t.shape
-    xt = jnp.stack([xe_t, xo_t], axis=1).reshape(2 * k2, r).astype(jnp.float32)
+  def partials(xs, codes, scales, global_scale, *table, splits, **kw):
+    assert kw["order"] == order and len(xs) == (2 if order == "pairs" else 1)
+    if order == "pairs":
+      k2, r = xs[0].shape
+      xt = jnp.stack(xs, axis=1).reshape(2 * k2, r).astype(jnp.float32)
+    else:
+      xt, r = xs[0].T.astype(jnp.float32), xs[0].shape[0]
     if not grouped:
       y_t = w32.T @ xt
     else:
@@ -266,12 +330,14 @@ def _emulated_partials(w_dense, grouped: bool):
   return partials
 
 
+@pytest.mark.parametrize("order", layout.ORDERS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_wrappers_around_the_kernels_move_rows_right(fmt, monkeypatch):
+def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
   """`mosaic.fp4_matmul` and `mosaic.grouped_fp4_matmul` around an emulation of their kernels
   (Mosaic has no interpret mode): tokens padded, transposed and split into even and odd K
-  columns, calls of 256 tokens, rows padded to tiles and gathered back, partials summed, as the
-  reference computes (up to float32 sum order)."""
+  columns (or, for weights in the "halves" order, passed as they are), calls of 256 tokens,
+  rows padded to tiles and gathered back, partials summed, as the reference computes (up to
+  float32 sum order)."""
   from trace_jax.quant import dequantize
 
   def check(got, want, valid=None):
@@ -284,15 +350,15 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, monkeypatch):
 
   w = reference.transpose(kmajor_weight(7, 256, 128, fmt))  # [K, N]
   monkeypatch.setattr(mosaic, "fp4_wgmma_partials",
-                      _emulated_partials(dequantize(w).astype(jnp.bfloat16), grouped=False))
+                      _emulated_partials(dequantize(w).astype(jnp.bfloat16), False, order))
   for m in (5, 40, 300):  # one token group, the wide path's M, calls of 256
     x = jax.random.normal(jax.random.PRNGKey(m), (m, 256), jnp.bfloat16)
-    check(mosaic.fp4_matmul(x, layout.tile(w), splits=2), reference.fp4_matmul(x, w))
+    check(mosaic.fp4_matmul(x, layout.tile(w, order), splits=2), reference.fp4_matmul(x, w))
   gw = grouped_weight(8, 4, 256, 128, fmt)
   monkeypatch.setattr(mosaic, "grouped_fp4_wgmma_partials",
-                      _emulated_partials(dequantize(gw).astype(jnp.bfloat16), grouped=True))
+                      _emulated_partials(dequantize(gw).astype(jnp.bfloat16), True, order))
   sizes = (5, 0, 17, 1)
   x = jax.random.normal(jax.random.PRNGKey(9), (sum(sizes) + 3, 256), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  check(mosaic.grouped_fp4_matmul(x, layout.tile(gw), gs, splits=2),
+  check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=2),
         reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))

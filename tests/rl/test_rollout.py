@@ -357,21 +357,23 @@ def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precisio
   assert called == [backend]
 
 
-@pytest.mark.parametrize("precision", ["mxfp4", "nvfp4"])
-def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision):
-  """pack_weights with the kernels' ops lays every FP4 projection out for the Mosaic kernels: the
-  same bytes as the plain packing, permuted (`untile` gives them back bit for bit)."""
+@pytest.mark.parametrize("precision,order", [("mxfp4", "pairs"), ("nvfp4", "pairs"),
+                                             ("mxfp4", "halves")])
+def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision, order):
+  """pack_weights with the kernels' ops lays every FP4 projection out for the Mosaic kernels (in
+  the ops' nibble order): the same bytes as the plain packing, permuted (`untile` gives them
+  back bit for bit)."""
   from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
   cfg, params = policy()
   recipe = QuantRecipe.uniform(precision)
   plain = pack_weights(cfg, params, recipe)
   from pallas_kernels import dispatch
-  ops = dispatch.make_ops("pallas")
+  ops = dispatch.make_ops("pallas", fp4_order=order)
   tiled = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=ops))(params)
   ones = 0  # the tiled MXFP4 weights' unit globals (the kernels read one either way)
   for layer_t, layer_p in zip(tiled.layers, plain.layers):
     for name in WEIGHT_AXES:
-      assert isinstance(layer_t[name], TiledFP4), name
+      assert isinstance(layer_t[name], TiledFP4) and layer_t[name].order == order, name
       ones += layer_t[name].global_scale.nbytes if precision == "mxfp4" else 0
       back = untile(layer_t[name])
       assert jax.tree.structure(back) == jax.tree.structure(layer_p[name])
@@ -382,6 +384,8 @@ def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision):
   np.testing.assert_array_equal(ops.dense(layer_t["w_up"]), unpack(layer_p["w_up"]))
   with pytest.raises(ValueError, match="kernels must be one of"):
     dispatch.make_ops("mosaic")
+  with pytest.raises(ValueError, match=r"fp4_order must be one of \('pairs', 'halves'\), got 'x'"):
+    dispatch.make_ops("pallas", fp4_order="x")
 
 
 def test_weight_sync_leaves_fp4_untiled_on_gpus_without_the_mosaic_kernels(monkeypatch):
