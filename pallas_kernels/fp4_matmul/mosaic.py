@@ -554,8 +554,11 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
                                         max_splits=8)
 
   def call(xc):  # -> y^T [N, tokens] in bf16
-    xt = xc.T  # at most 256 tokens: small enough to transpose in the split's pass
-    xs = (xc,) if w.order == "halves" else (xt[0::2], xt[1::2])
+    if w.order == "halves":
+      xs = (xc,)
+    else:
+      xt = xc.T  # at most 256 tokens: small enough to transpose in the split's pass
+      xs = (xt[0::2], xt[1::2])
     partials = fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, fmt=w.kernel_fmt,
                                   block_k2=block_k2, splits=splits, max_concurrent_steps=stages,
                                   decode=decode, order=w.order)
