@@ -163,3 +163,24 @@ def test_stacked_random_weights_are_the_scanned_decodes_layout():
                                  ops, jax.random.PRNGKey(1), stacked=True)
   result = bench_rollout.run(2, [2], 48, 16, ["bf16:xla+scan"], preset="tiny", slots=96)
   assert not result["errors"] and result["rows"][0]["variant"] == "bf16:xla+scan"
+
+
+def test_decode_ops_counts_what_surrounds_the_kernels_on_hopper():
+  """The census traces the decode step with the Hopper dispatch (the Mosaic matmuls by name,
+  the Triton attention and quantize-and-record kernels) on any machine, leaves the dispatch as it was,
+  and sees what the "halves" order removes: x's transposes and even/odd slices, not a kernel."""
+  from experiments import decode_ops
+  from pallas_kernels import dispatch
+  result = decode_ops.run(["mxfp4:pallas", "mxfp4:pallas+halves", "bf16:pallas"], layers=1,
+                          batch=16, context=123, preset="small")  # 128 slots
+  pairs, halves, bf16 = result["rows"]
+  assert {"fp4_wgmma", "grouped_fp4_wgmma"} <= set(pairs["kernels"])  # (head_dim 32: Triton's
+  assert "triton_decode_attention" in pairs["kernels"]  # attention, not the Mosaic one)
+  assert pairs["kernels"] == halves["kernels"]
+  assert halves["movement"]["transpose"] < pairs["movement"]["transpose"]
+  assert halves["movement"]["slice"] < pairs["movement"]["slice"]
+  assert bf16["movement"]["transpose"] == 0 and "fp4_wgmma" not in bf16["kernels"]
+  assert dispatch._interpret()  # the patches undone: on CPU the kernels interpret again
+  assert "| mxfp4:pallas+halves |" in decode_ops.table(result)
+  with pytest.raises(ValueError, match="pallas or triton variant"):
+    decode_ops.run(["mxfp4:xla"], layers=1, batch=4, context=16, preset="small")
