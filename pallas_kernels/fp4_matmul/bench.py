@@ -190,6 +190,10 @@ MOSAIC_GROUPED_BF16 += [dict(MOSAIC_GROUPED_BF16[0], transpose_rhs=True)]
 # the project's Mosaic grouped FP4 kernel (`mosaic.grouped_fp4_matmul`, 16-token tiles)
 MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
                       for bk, st in [(128, 4), (64, 8), (192, 2)]]
+# the project's Mosaic grouped bf16 kernel (`mosaic.grouped_bf16_matmul`, 16-token tiles, x and
+# the weight both read transposed from shared memory)
+MOSAIC_GROUPED_BF16_PROJECT = [dict(block_k=bk, max_concurrent_steps=st)
+                               for bk, st in [(128, 4), (64, 8), (256, 2)]]
 
 
 def routing(key, m: int, experts: int, top_k: int) -> jax.Array:
@@ -224,10 +228,12 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
                 engine: bool = False) -> dict:
   """The MoE expert matmul of qwen3_30b_a3b at decode, per projection and batch M (T = TOP_K x M
   routed rows): XLA's ragged_dot and the project's kernel in bf16, JAX's Mosaic GPU grouped
-  kernel in bf16 (each of MOSAIC_GROUPED_BF16), torch's _grouped_mm, and MXFP4 / NVFP4 by XLA
-  (dequantize + ragged_dot), by the Triton kernel with its default tiles and by the project's
-  Mosaic kernel (each of MOSAIC_GROUPED_FP4; `engine`: its defaults only, and none of JAX's
-  kernel, as the rollout engine runs them). Bytes moved count
+  kernel in bf16 (each of MOSAIC_GROUPED_BF16), the project's Mosaic bf16 kernel (each of
+  MOSAIC_GROUPED_BF16_PROJECT), torch's _grouped_mm, and MXFP4 / NVFP4 by XLA (dequantize +
+  ragged_dot), by the Triton kernel with its default tiles and by the project's Mosaic kernel
+  on weights in either nibble order (`layout.ORDERS`; each of MOSAIC_GROUPED_FP4; `engine`:
+  the defaults only, and none of JAX's kernel, as the rollout engine runs them). Bytes moved
+  count
   the weights of the experts hit (distinct among the routed rows), activations and outputs;
   each xla row is the reference of the rows after it."""
   key = jax.random.PRNGKey(0)
@@ -275,6 +281,10 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         _attempt(result, f"{name} M={m} mosaic bf16 ragged_dot_mgpu {cfg}",
                  lambda: row("mosaic bf16 (jax ragged_dot_mgpu)", mgpu16,
                              w16t if cfg.get("transpose_rhs") else w16, k * n * 2, "bf16", cfg))
+      for cfg in MOSAIC_GROUPED_BF16_PROJECT[:1] if engine else MOSAIC_GROUPED_BF16_PROJECT:
+        own16 = lambda a, w, cfg=cfg: mosaic.grouped_bf16_matmul(a[0], w, a[1], **cfg)
+        _attempt(result, f"{name} M={m} mosaic bf16 {cfg}",
+                 lambda: row("mosaic bf16", own16, w16, k * n * 2, "bf16", cfg))
       timed = torch_grouped(xs[0], w16[0], xs[1], copies, refs.get("bf16"))
       if isinstance(timed, str):
         if timed not in result.setdefault("notes", []):
@@ -288,11 +298,13 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         for variant, fn in ((f"xla {fmt} dequant+ragged_dot", xla), (f"pallas {fmt}", pallas)):
           _attempt(result, f"{name} M={m} {variant}",
                    lambda: row(variant, fn, ws, ws[0].nbytes / EXPERTS, fmt))
-        tiled = [layout.tile(w) for w in ws]  # outside the timing
-        for cfg in [{}] if engine else MOSAIC_GROUPED_FP4:
-          mgpu4 = lambda a, w, cfg=cfg: mosaic.grouped_fp4_matmul(a[0], w, a[1], **cfg)
-          _attempt(result, f"{name} M={m} mosaic {fmt} {cfg}",
-                   lambda: row(f"mosaic {fmt}", mgpu4, tiled, ws[0].nbytes / EXPERTS, fmt, cfg))
+        for order in layout.ORDERS:
+          tiled = [layout.tile(w, order) for w in ws]  # outside the timing
+          label = f"mosaic {fmt}" + ("" if order == "pairs" else f" {order}")
+          for cfg in [{}] if engine else MOSAIC_GROUPED_FP4:
+            mgpu4 = lambda a, w, cfg=cfg: mosaic.grouped_fp4_matmul(a[0], w, a[1], **cfg)
+            _attempt(result, f"{name} M={m} {label} {cfg}",
+                     lambda: row(label, mgpu4, tiled, ws[0].nbytes / EXPERTS, fmt, cfg))
   return result
 
 

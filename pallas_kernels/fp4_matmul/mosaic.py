@@ -426,6 +426,91 @@ def bf16_wgmma_partials(x_t, w_t, *, block_n: int = 64, block_k: int = 128, spli
   )(x_t, w_t.astype(jnp.bfloat16))
 
 
+def _grouped_bf16_body(x_gmem, w_gmem, tile_expert, out_gmem, *, block_k, steps,
+                       max_concurrent_steps):
+  """One [64, 16] tile of y^T: token tile t of x ([16 x tiles, K], rows as they are) times
+  expert tile_expert[t]'s weight ([E, K, N], N contiguous), both operands of wgmma read from
+  shared memory transposed; tiles past the table's last entry (the tiles in use) do
+  nothing."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  ni, ti, si = (jax.lax.axis_index(a) for a in ("n", "t", "s"))
+  expert = tile_expert[ti]
+  k0 = si * steps
+
+  def step(_, x_smem, w_smem, acc_ref):
+    plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_smem.at[0], (1, 0)),
+                plgpu.transpose_ref(x_smem, (1, 0)))
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+  def acc_scope(acc_ref):
+    plgpu.emit_pipeline(
+        functools.partial(step, acc_ref=acc_ref), grid=(steps,),
+        in_specs=[plgpu.BlockSpec((16, block_k), lambda k: (ti, k0 + k)),
+                  plgpu.BlockSpec((1, block_k, ROWS), lambda k: (expert, k0 + k, ni))],
+        max_concurrent_steps=max_concurrent_steps,
+    )(x_gmem, w_gmem)
+    return acc_ref[...]
+
+  @pl.when(ti < tile_expert[tile_expert.shape[0] - 1])
+  def _():
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((ROWS, 16)))
+    _store(acc, out_gmem, si, ni, ROWS, cols=pl.ds(ti * 16, 16))
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps"))
+def grouped_bf16_wgmma_partials(x, w, tile_expert, *, block_k: int = 128, splits: int = 1,
+                                max_concurrent_steps: int = 4):
+  """The bf16 twin of `grouped_fp4_wgmma_partials` (the "halves" order's operands): x's rows
+  in 16-token tiles ([16 x tiles, K]), per-expert bf16 weights w [E, K, N] as the engine holds
+  them, tile_expert [tiles + 1] -> float32 [splits, N, 16 x tiles] partials of y^T; the columns
+  of unused tiles are left unwritten."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  r, k = x.shape
+  e, _, n = w.shape
+  if (w.shape[1] != k or r % 16 or n % ROWS or tile_expert.shape != (r // 16 + 1,)
+      or k % (block_k * splits) or block_k % 64):
+    raise ValueError(f"the grouped bf16 wgmma kernel needs x [16 x tiles, K] and weights "
+                     f"[E, K, N] with N a multiple of {ROWS}, one table entry a tile and one "
+                     f"more, K divisible by block_k ({block_k}, a multiple of 64) x splits "
+                     f"({splits}); got x {x.shape}, w {w.shape}, {tile_expert.shape} entries")
+  steps = k // block_k // splits
+  body = functools.partial(_grouped_bf16_body, block_k=block_k, steps=steps,
+                           max_concurrent_steps=min(max_concurrent_steps, steps))
+  body.__name__ = "grouped_bf16_wgmma"  # the kernel's name in profiles
+  # the token tiles on CUDA's x axis when there are more than y and z take (as the FP4 kernel)
+  grid, names = ((n // ROWS, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
+      (n // ROWS, splits, r // 16), ("n", "s", "t"))
+  return plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((splits, n, r), jnp.float32),
+      grid=grid, grid_names=names,
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), tile_expert.astype(jnp.int32))
+
+
+def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                        block_k: int = 128, splits: int | None = None,
+                        max_concurrent_steps: int = 4) -> jax.Array:
+  """`api.grouped_bf16_matmul` (x [T, K], rows sorted by expert, @ w[e] [K, N]) by the Mosaic
+  wgmma kernel (compiled Hopper only), as `grouped_fp4_matmul` runs a weight in the "halves"
+  order: each group padded to 16-token tiles gathered in one pass, each tile against its
+  expert's weight read as the engine holds it -> [T, N] bf16; rows past sum(group_sizes) come
+  out zero."""
+  e, k, n = w.shape
+  if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
+    raise ValueError(f"grouped_bf16_matmul takes x [T, {k}] and group_sizes [{e}] for this "
+                     f"weight, got x {x.shape} and group_sizes {group_sizes.shape}")
+  src, tile_expert, dest = tile_rows(group_sizes, x.shape[0], 16)
+  x2 = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
+  splits = splits or default_splits(src.shape[0] // 16, n // ROWS, k // block_k,
+                                    programs=2 * 132, max_splits=8)
+  partials = grouped_bf16_wgmma_partials(x2, w, tile_expert, block_k=block_k, splits=splits,
+                                         max_concurrent_steps=max_concurrent_steps)
+  y_t = jnp.sum(partials, axis=0).astype(jnp.bfloat16)
+  return _transposed(jnp.take(y_t, dest, axis=1, mode="fill", fill_value=0))
+
+
 def _tokens(x):
   """x [..., K] -> (bf16 [M', K] with M' the rows padded to 16, 32 or a multiple of 32 (whole
   token groups), M, lead dims)."""

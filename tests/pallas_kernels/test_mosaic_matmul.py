@@ -362,3 +362,60 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
   gs = jnp.asarray(sizes, jnp.int32)
   check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=2),
         reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
+
+
+def test_grouped_bf16_kernel_lowers_for_cuda_and_names_what_is_wrong():
+  """The project's Mosaic grouped bf16 kernel (x and the weight read transposed from shared
+  memory) lowers for CUDA at a test size and the qwen3 decode shapes."""
+  for t, k, n in ((20, 256, 128), (512, 2048, 768), (512, 768, 2048)):
+    x = jax.ShapeDtypeStruct((t, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((8, k, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+    f = jax.jit(mosaic.grouped_bf16_matmul)
+    assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).out_avals[0].shape == (t, n)
+  with pytest.raises(ValueError, match="group_sizes"):
+    mosaic.grouped_bf16_matmul(jnp.zeros((20, 256)), jnp.zeros((8, 256, 128)),
+                               jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="N a multiple of 64"):
+    mosaic.grouped_bf16_wgmma_partials(jnp.zeros((16, 256)), jnp.zeros((8, 256, 96)),
+                                       jnp.zeros((2,), jnp.int32))
+
+
+def test_grouped_bf16_wrapper_moves_rows_right(monkeypatch):
+  """`mosaic.grouped_bf16_matmul` around an emulation of its kernel: rows padded to 16-token
+  tiles and gathered back, as `jax.lax.ragged_dot` computes (float32 sums in another order)."""
+  e, k, n = 4, 256, 128
+  w = jax.random.normal(jax.random.PRNGKey(1), (e, k, n), jnp.bfloat16)
+
+  def partials(x, w, tile_expert, *, splits, **kw):
+    tile = jnp.arange(x.shape[0]) // 16
+    y_t = jnp.einsum("rkn,rk->nr", w[tile_expert[tile]].astype(jnp.float32),
+                     x.astype(jnp.float32))
+    y_t = jnp.where(tile < tile_expert[-1], y_t, jnp.nan)  # unused tiles: never read
+    return jnp.broadcast_to(y_t / splits, (splits, *y_t.shape))
+
+  monkeypatch.setattr(mosaic, "grouped_bf16_wgmma_partials", partials)
+  sizes = (5, 0, 17, 1)
+  x = jax.random.normal(jax.random.PRNGKey(2), (sum(sizes) + 3, k), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  got = np.asarray(mosaic.grouped_bf16_matmul(x, w, gs, splits=2), np.float32)
+  want = np.asarray(reference.grouped_bf16_matmul(x, w, gs), np.float32)
+  assert not np.isnan(got).any()
+  np.testing.assert_array_equal(got[sum(sizes):], 0)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes,k,n", [((5, 0, 17, 1), 2048, 768), ((40, 3, 0, 9), 768, 2048)])
+def test_grouped_bf16_kernel_on_gpu(sizes, k, n):
+  """Compiled: ragged and empty groups, rows past the groups (zeros), against XLA's ragged_dot."""
+  e = len(sizes)
+  w = jax.random.normal(jax.random.PRNGKey(k), (e, k, n), jnp.bfloat16)
+  t = sum(sizes) + 3
+  x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  got = np.asarray(mosaic.grouped_bf16_matmul(x, w, gs), np.float32)
+  want = np.asarray(reference.grouped_bf16_matmul(x, w, gs), np.float32)
+  assert not np.isnan(got).any()
+  np.testing.assert_array_equal(got[sum(sizes):], 0)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
