@@ -76,12 +76,13 @@ def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
       len(parts) == 3 and parts[1] == "xla") or (
-          flags & {"+w4a4", "+halves"} and parts[1] != "pallas"):
+          flags & {"+w4a4", "+halves"} and parts[1] != "pallas") or (
+          "+halves" in flags and (parts[0] == "bf16" or "+w4a4" in flags)):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
-                     "a pallas one with +w4a4 (the W4A4 matmuls) or +halves (FP4 weights in "
-                     "the 'halves' nibble order)")
+                     "a pallas one with +w4a4 (the W4A4 matmuls) or, FP4 without +w4a4, "
+                     "+halves (FP4 weights in the 'halves' nibble order)")
   return (parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags,
           "halves" if "+halves" in flags else "pairs")
 

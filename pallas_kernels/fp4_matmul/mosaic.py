@@ -64,6 +64,13 @@ def _decode(codes16, scale, fmt):
   return (e2m1_bf16(codes16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
+def interleave_column_tiles(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+  """Two WGMMA-layout register arrays of [64, C] tiles (registers_shape (1, C/8, 1, 1, 2, ...):
+  axis 1 the 8-column tiles) -> the register array of their [64, 2C] tile with column tiles
+  lo_0, hi_0, lo_1, hi_1, ...: the "halves" order's A operand in K's order."""
+  return np.stack([lo, hi], axis=2).reshape(lo.shape[0], 2 * lo.shape[1], *lo.shape[2:])
+
+
 def _decode_asm(tiles, rows, fmt, order="pairs"):
   """uint8 codes tiles ([64, CHUNK] each, consecutive along K) in the A operand's layout and
   the scale rows of their blocks ([64] each, `_scale_row`) -> the bf16 values of the low and of
@@ -115,9 +122,9 @@ def _decode_asm(tiles, rows, fmt, order="pairs"):
       for nibble in parts:
         parts[nibble].append(regs[nibble])
     lo, hi = (np.concatenate(parts[nibble], axis=1) for nibble in ("lo", "hi"))
-    if order == "halves":  # column tiles lo_0, hi_0, lo_1, hi_1, ...
-      both = np.stack([lo, hi], axis=2).reshape(lo.shape[0], 2 * lo.shape[1], *lo.shape[2:])
-      return mgpu.FragmentedArray(_registers=both, _layout=tiles[0].layout, _is_signed=None)
+    if order == "halves":
+      return mgpu.FragmentedArray(_registers=interleave_column_tiles(lo, hi),
+                                  _layout=tiles[0].layout, _is_signed=None)
     return tuple(mgpu.FragmentedArray(_registers=r, _layout=tiles[0].layout, _is_signed=None)
                  for r in (lo, hi))
 

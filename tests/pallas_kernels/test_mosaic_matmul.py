@@ -76,6 +76,16 @@ def test_tile_names_what_is_wrong():
     layout.tile(kmajor_weight(0, 256, 96, MXFP4))
   with pytest.raises(ValueError, match=r"order must be one of \('pairs', 'halves'\), got 'odd'"):
     layout.tile(w, "odd")
+  halves = layout.tile(w, "halves")
+  with pytest.raises(ValueError, match="'asm' for the 'halves' order"):
+    mosaic.fp4_matmul(jnp.zeros((2, 256), jnp.bfloat16), halves, decode="jnp")
+  x = jnp.zeros((16, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"takes x as \(x,\), got 2 arrays"):
+    mosaic.fp4_wgmma_partials((x, x), halves.codes, halves.scales, halves.global_scale,
+                              fmt="mxfp4", order="halves")
+  with pytest.raises(ValueError, match=r"takes x as \(xe_t, xo_t\), got 1 arrays"):
+    mosaic.fp4_wgmma_partials((x.T,), halves.codes, halves.scales, halves.global_scale,
+                              fmt="mxfp4")
   with pytest.raises(ValueError, match="layout.tile"):
     mosaic.fp4_matmul(jnp.zeros((2, 256), jnp.bfloat16), w)
   with pytest.raises(ValueError, match="features"):
@@ -116,6 +126,68 @@ def test_nibbles_asm_is_the_triton_decode_of_two_bytes():
         assert ptx_emu.run(kernel.e2m1_nibbles_asm(sel), 2, [q, bf[0] | bf[1] << 16]) == want
 
 
+def _wgmma_elements(shape):
+  """{(thread, register index): [(row, column) of each element of the register's vector]} of a
+  [64, C] array in Mosaic's WGMMA layout, computed from the layout's own tiling (jax's
+  `fragmented_array.WGMMA_LAYOUT`: its tile strides, warp and lane dimensions), not from a
+  description of it."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  layout = fa.WGMMA_LAYOUT
+  strides = layout.tiling.tile_strides((shape[1], 1))
+  tiled, rank = layout.tiled_tiling_shape, layout.tiled_tiling_rank
+  dims = strides[-rank:]
+
+  def offset(i, which):
+    sizes = [tiled[d] for d in which]
+    place = [0] * len(tiled)
+    for d, n in zip(which, sizes):
+      inner = int(np.prod(sizes[which.index(d) + 1:]))
+      place[d] = i // inner % n
+    return sum(p * s for p, s in zip(place, dims))
+
+  out = {}
+  for thread in range(128):
+    warp, lane = divmod(thread, 32)
+    base = offset(warp, layout.warp_dims) + offset(lane, layout.lane_dims)
+    for idx in np.ndindex(layout.registers_shape(shape)):
+      flat = base + sum(i * s for i, s in zip(idx, strides))
+      out[thread, idx] = [divmod(flat + v, shape[1]) for v in range(layout.vector_length)]
+  return out
+
+
+def test_wgmma_registers_are_what_the_decode_models_assume():
+  """The register model of the decodes (`test_halves_registers_hold_a_tile_in_k_order`, and
+  `_decode_asm`'s scale choice): in Mosaic's WGMMA layout, for [64, 32] (the codes tile) and
+  [64, 64] (a bf16 A tile) alike, thread t's register (1, j, 1, 1, h, ...) holds row
+  16 (t // 32) + (t % 32) // 4 + 8 h, columns 8 j + 2 (t % 4) and the next."""
+  for shape in ((64, 32), (64, 64)):
+    for (thread, idx), elements in _wgmma_elements(shape).items():
+      warp, lane = divmod(thread, 32)
+      row, col = 16 * warp + lane // 4 + 8 * idx[4], 8 * idx[1] + 2 * (lane % 4)
+      assert elements == [(row, col), (row, col + 1)], (shape, thread, idx)
+
+
+def test_interleaved_registers_are_the_halves_order_in_k_order():
+  """`mosaic.interleave_column_tiles`, the register naming `_decode_asm` gives the "halves"
+  order: each element of the [64, 64] tile it makes, read through jax's WGMMA layout, is the K
+  value the "halves" byte it was decoded from holds there (byte c of a codes row: values
+  16 (c // 8) + c % 8 in its low nibble, and 8 more in its high one)."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  codes, tile = _wgmma_elements((64, 32)), _wgmma_elements((64, 64))
+  names = {}
+  for nibble in ("lo", "hi"):  # each register of the two decoded arrays named by its origin
+    names[nibble] = np.empty(fa.WGMMA_LAYOUT.registers_shape((64, 32)), object)
+    for idx in np.ndindex(names[nibble].shape):
+      names[nibble][idx] = (nibble, idx)
+  both = mosaic.interleave_column_tiles(names["lo"], names["hi"])
+  assert both.shape == fa.WGMMA_LAYOUT.registers_shape((64, 64))
+  for (thread, idx), elements in tile.items():
+    nibble, src = both[idx]
+    (row, byte), (_, byte1) = codes[thread, src]
+    ks = [16 * (b // 8) + b % 8 + (8 if nibble == "hi" else 0) for b in (byte, byte1)]
+    assert elements == [(row, ks[0]), (row, ks[1])], (thread, idx)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_halves_registers_hold_a_tile_in_k_order(fmt):
   """The "halves" order's A operand, modelled thread by thread from wgmma's register layout
@@ -123,7 +195,8 @@ def test_halves_registers_hold_a_tile_in_k_order(fmt):
   and 2 (t % 4) + 1 of each 8-column tile; a codes register holds two bytes, a bf16 one two
   values): each codes register decoded by the kernels' PTX (emulated) with its block's scale,
   its low-nibble pair named bf16 column tile 2j and its high-nibble pair 2j + 1, as
-  `mosaic._decode_asm` names them, gives the weight's bf16 values in K's order, every one."""
+  `mosaic._decode_asm` names them (`interleave_column_tiles`, checked against jax's layout
+  below, as is this register model), gives the weight's bf16 values in K's order, every one."""
   n, k = 64, 128
   t = layout.tile(kmajor_weight(11, k, n, fmt), "halves")
   want = np.asarray(reference.dequantize_bf16(t)).T.view(np.uint16)  # [N, K] bf16 bits
@@ -162,6 +235,9 @@ def test_kernels_lower_for_cuda(fmt, decode, m, order):
   x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
   f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, decode=decode))
   assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
+  if order == "halves" and m <= 40:  # a longer K step: x's tile [tokens, 512]
+    g = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, block_k2=256))
+    assert jax.export.export(g, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
   if decode == "jnp" or m != 3 or order != "pairs":
     return
   if fmt is MXFP4:
@@ -209,13 +285,16 @@ def grouped_weight(seed, e, k, n, fmt):
   return jax.vmap(lambda we: quantize(we, fmt, axis=0))(w)
 
 
+@pytest.mark.parametrize("order", layout.ORDERS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_tile_of_experts_is_each_expert_tiled(fmt):
+def test_tile_of_experts_is_each_expert_tiled(fmt, order):
+  """Per-expert weights: each expert tiled as a weight of its own (in either nibble order, the
+  dense test checks the bytes of each), and back."""
   w = grouped_weight(0, 3, 256, 128, fmt)
-  t = layout.tile(w)
-  assert t.grouped and t.shape == (3, 256, 128)
+  t = layout.tile(w, order)
+  assert t.grouped and t.shape == (3, 256, 128) and t.order == order
   for i in range(3):
-    one = layout.tile(jax.tree.map(lambda a, i=i: a[i], w))
+    one = layout.tile(jax.tree.map(lambda a, i=i: a[i], w), order)
     np.testing.assert_array_equal(t.codes[i], one.codes)
     np.testing.assert_array_equal(t.scales[i], one.scales)
     assert float(t.global_scale[i]) == float(one.global_scale)
