@@ -10,7 +10,9 @@ decodes it there and issues
 
     acc[64, M] += dec(codes & 15) @ x_e^T[32, M] + dec(codes >> 4) @ x_o^T[32, M]
 
-with x_e, x_o the even and odd K columns of x (B operands in shared memory). M, the tokens,
+with x_e, x_o the even and odd K columns of x (B operands in shared memory); a weight tiled in
+the "halves" nibble order (`layout.ORDERS`) decodes instead to one A tile in K's order, and x's
+own [tokens, 64] tile is the B operand, read transposed, so x needs no split. M, the tokens,
 is the instruction's N dimension: padded to 16, 32 or a multiple of 32, up to 256 a call
 (longer inputs run in calls of 256); past 32 tokens two chunks are decoded side by side for
 64-K instructions (`_body`). A pipeline of bulk copies streams codes, scales and x through
@@ -24,7 +26,8 @@ float32. The weight is stored pre-tiled (`layout.TiledFP4`: [64-row, 32-byte] co
 tiles; the tiling is a layout change made once, when weights are packed.
 
 `bf16_wgmma_partials` is the bf16 twin: the same grid and pipeline on a K-major bf16 weight,
-both operands of wgmma read from shared memory.
+both operands of wgmma read from shared memory; `grouped_bf16_wgmma_partials` the grouped one,
+on the [E, K, N] expert weights as the engine holds them.
 """
 
 from __future__ import annotations
