@@ -131,6 +131,16 @@ def test_records_only_for_the_configured_layers():
   assert none.records == {}
 
 
+@pytest.mark.parametrize("precision", ["mxfp4", pytest.param("nvfp4", marks=pytest.mark.slow)])
+def test_records_do_not_change_what_the_rollout_samples(precision):
+  """Records observe the rollout, they do not perturb it: with records of no layer, of the last
+  or of every layer the same sampled tokens and log-probabilities, bit for bit."""
+  runs = [rollout(precision, records=r)[3] for r in ("none", "last:1", "all")]
+  for b in runs[1:]:
+    np.testing.assert_array_equal(b.tokens, runs[0].tokens)
+    np.testing.assert_array_equal(b.logp, runs[0].logp)
+
+
 def test_stop_tokens_and_max_new_tokens():
   _, _, _, b = rollout("bf16", records="none", temperature=0.0, new=16)
   greedy = np.asarray(b.tokens)[:, b.prompt_width:]
