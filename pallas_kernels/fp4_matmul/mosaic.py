@@ -234,14 +234,13 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
 
   scale_cols, chunks = block_k2 // per_scale, block_k2 // CHUNK
   k0 = si * steps
-  x_specs = [plgpu.BlockSpec((block_k2, width), lambda k, c=c: (k0 + k, ti if table else c))
-             for c in range(groups)]
-  x_gmems = [xe_gmem] * groups + [xo_gmem] * groups
   if halves:  # x [M, K] itself: the tokens' rows, 2 x block_k2 K values a step
     x_specs = [plgpu.BlockSpec((m, 2 * block_k2), lambda k: (ti, k0 + k))]
     x_gmems = [xe_gmem]
-  else:
-    x_specs = x_specs * 2
+  else:  # each token group's columns of x_e^T, then of x_o^T
+    x_specs = [plgpu.BlockSpec((block_k2, width), lambda k, c=c: (k0 + k, ti if table else c))
+               for c in range(groups)] * 2
+    x_gmems = [xe_gmem] * groups + [xo_gmem] * groups
 
   def acc_scope(*accs):
     plgpu.emit_pipeline(
@@ -512,11 +511,23 @@ def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     raise ValueError(f"grouped_bf16_matmul takes x [T, {k}] and group_sizes [{e}] for this "
                      f"weight, got x {x.shape} and group_sizes {group_sizes.shape}")
   src, tile_expert, dest = tile_rows(group_sizes, x.shape[0], 16)
-  x2 = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
   splits = splits or default_splits(src.shape[0] // 16, n // ROWS, k // block_k,
                                     programs=2 * 132, max_splits=8)
-  partials = grouped_bf16_wgmma_partials(x2, w, tile_expert, block_k=block_k, splits=splits,
-                                         max_concurrent_steps=max_concurrent_steps)
+  partials = grouped_bf16_wgmma_partials(_tiled_rows(x, src), w, tile_expert, block_k=block_k,
+                                         splits=splits, max_concurrent_steps=max_concurrent_steps)
+  return _rows_back(partials, dest)
+
+
+def _tiled_rows(x, src):
+  """x [T, K]'s rows placed in 16-token tiles (`tile_rows`' src; zeros where a tile's row holds
+  none) -> [16 x tiles, K] bf16, in one gather."""
+  return jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
+
+
+def _rows_back(partials, dest):
+  """A grouped kernel's float32 partials of y^T [splits, N, 16 x tiles] -> y [T, N] bf16: the
+  splits summed, each row's column gathered (along memory) in bf16 (`dest`; zeros past the
+  groups), then transposed."""
   y_t = jnp.sum(partials, axis=0).astype(jnp.bfloat16)
   return _transposed(jnp.take(y_t, dest, axis=1, mode="fill", fill_value=0))
 
@@ -594,7 +605,7 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
   src, tile_expert, dest = tile_rows(group_sizes, x.shape[0], 16)
   if w.order == "halves":  # the padded rows gathered, [16 x tiles, K]: one pass
-    xs = (jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0),)
+    xs = (_tiled_rows(x, src),)
   else:
     xs = _even_odd_columns(x, src)
   splits = splits or default_splits(src.shape[0] // 16, n // ROWS, (k // 2) // block_k2,
@@ -602,9 +613,7 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   partials = grouped_fp4_wgmma_partials(
       xs, w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt, block_k2=block_k2,
       splits=splits, max_concurrent_steps=stages, decode=decode, order=w.order)
-  # likewise out: each row's column of y^T gathered (along memory) in bf16, then transposed
-  y_t = jnp.sum(partials, axis=0).astype(jnp.bfloat16)
-  return _transposed(jnp.take(y_t, dest, axis=1, mode="fill", fill_value=0))
+  return _rows_back(partials, dest)  # likewise out: y^T's columns gathered, then transposed
 
 
 def _even_odd_columns(x, src):
