@@ -12,9 +12,10 @@ under either, an optional third field picks the decode attention's backend:
 `mxfp4:pallas:mosaic` the Mosaic attention kernel, `:triton` the Triton one, `:auto`, the
 engine's default, the one measured faster for the cache's format; a suffix `+scan` runs the
 decode step as a scan over stacked layers, `engine.scan_decode`; `+w4a4` on a pallas variant
-the MXFP4 matmuls on the W4A4 kernels, `engine.w4a4`; `+halves` on a pallas variant the FP4
-weights tiled in the "halves" nibble order, whose Mosaic matmuls take x as it is, without the
-even/odd split and transpose the default "pairs" order needs: `make_ops(fp4_order=...)`) and
+the MXFP4 matmuls on the W4A4 kernels, `engine.w4a4`; `+pairs` on an FP4 pallas variant the
+weights tiled in the "pairs" nibble order, whose Mosaic matmuls take x's even and odd K columns
+transposed, where the engine's default "halves" order takes x as it is (`+halves` names the
+default explicitly): `make_ops(fp4_order=...)`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -52,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.timing import copy_bandwidth, kernel_times, wall_seconds  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
-from pallas_kernels.dispatch import ATTENTION_KERNELS, make_ops  # noqa: E402
+from pallas_kernels.dispatch import ATTENTION_KERNELS, FP4_ORDER, make_ops  # noqa: E402
 from trace_jax.models.rollout_path import new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
@@ -61,12 +62,13 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:palla
             "mxfp4:triton", "nvfp4:triton")
 
 
-SUFFIXES = ("+scan", "+w4a4", "+halves")
+SUFFIXES = ("+scan", "+w4a4", "+pairs", "+halves")
+ORDER_SUFFIXES = {"+pairs", "+halves"}
 
 
 def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
-  """A variant, "precision:kernels[:attention][+scan][+w4a4][+halves]" -> (precision, kernels,
-  attention backend, whether the decode step scans its layers, whether MXFP4 matmuls run the
+  """A variant, "precision:kernels[:attention][+scan][+w4a4][+pairs|+halves]" -> (precision,
+  kernels, attention backend, whether the decode step scans its layers, whether MXFP4 matmuls run the
   W4A4 kernels, the FP4 weights' nibble order for the Mosaic matmuls)."""
   name, flags = v, set()
   while name.endswith(SUFFIXES):
@@ -76,15 +78,17 @@ def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
       len(parts) == 3 and parts[1] == "xla") or (
-          flags & {"+w4a4", "+halves"} and parts[1] != "pallas") or (
-          "+halves" in flags and (parts[0] == "bf16" or "+w4a4" in flags)):
+          flags & ({"+w4a4"} | ORDER_SUFFIXES) and parts[1] != "pallas") or (
+          flags & ORDER_SUFFIXES and (parts[0] == "bf16" or "+w4a4" in flags)) or (
+          ORDER_SUFFIXES <= flags):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
                      "a pallas one with +w4a4 (the W4A4 matmuls) or, FP4 without +w4a4, "
-                     "+halves (FP4 weights in the 'halves' nibble order)")
-  return (parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags,
-          "halves" if "+halves" in flags else "pairs")
+                     "one of +pairs or +halves (the FP4 weights' nibble order; default "
+                     f"{FP4_ORDER})")
+  order = next((o[1:] for o in ORDER_SUFFIXES if o in flags), FP4_ORDER)
+  return parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags, order
 
 
 def random_cache(shapes: list, key) -> list:
@@ -326,7 +330,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
     ops = make_ops(layout, w4a4=w4a4, fp4_order=order)
-    layout += ("+w4a4" if w4a4 else "") + ("+halves" if order == "halves" else "")
+    layout += ("+w4a4" if w4a4 else "") + ("" if order == FP4_ORDER else f"+{order}")
     if (precision, layout, scan) not in packed:  # one packing alive at a time
       packed = weights = state = out = None  # nor the last variant's cache
       packed = {}

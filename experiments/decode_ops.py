@@ -2,7 +2,7 @@
 any machine (no GPU needed).
 
     python experiments/decode_ops.py [--layers=2] [--batch=64] [--context=4080] \
-        [--variants=mxfp4:pallas,mxfp4:pallas+halves,bf16:pallas] [--out=FILE] [--where]
+        [--variants=mxfp4:pallas+pairs,mxfp4:pallas,bf16:pallas] [--out=FILE] [--where]
 
 For each variant (`bench_rollout`'s names) the engine's decode step is traced with the kernel
 choices the dispatch makes on a Hopper GPU (the Mosaic GPU matmuls and attention, the Triton
@@ -161,7 +161,7 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--context", type=int, default=4080)
   parser.add_argument("--preset", default="qwen3_30b_a3b")
-  parser.add_argument("--variants", default="mxfp4:pallas,mxfp4:pallas+halves,bf16:pallas")
+  parser.add_argument("--variants", default="mxfp4:pallas+pairs,mxfp4:pallas,bf16:pallas")
   parser.add_argument("--where", action="store_true", help="each primitive's source lines too")
   parser.add_argument("--out", default="", help="a JSON file for the counts")
   args = parser.parse_args(argv)

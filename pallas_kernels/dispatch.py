@@ -50,6 +50,7 @@ from pallas_kernels.fp4_matmul import mosaic, w4a4
 from pallas_kernels.fp4_matmul import w4a4_layout
 from pallas_kernels.fp4_matmul.layout import FORMATS as FP4_WEIGHT_FORMATS
 from pallas_kernels.fp4_matmul.layout import ORDERS as FP4_ORDERS
+FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
 from pallas_kernels.fp4_matmul.layout import TiledFP4, tile, untile
 from pallas_kernels.quantize_record import quantize_and_record
 from pallas_kernels.quantize_record.reference import FORMATS as _RECORD_FORMATS
@@ -66,13 +67,13 @@ _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
 def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16,
-             w4a4: bool = False, fp4_order: str = "pairs"):
+             w4a4: bool = False, fp4_order: str = FP4_ORDER):
   """The rollout path's ops for `kernels` ("xla" | "pallas") and, under "pallas", the decode
   attention's backend ("auto" | "triton" | "mosaic"); act_dtype: the model's activations
   (the kernels take bf16). `w4a4`: MXFP4 projections and experts whose input the recipe
   quantizes to MXFP4 run the W4A4 kernels (`KernelOps`). `fp4_order`: the nibble order the
-  weight sync tiles FP4 weights in for the Mosaic matmuls (`layout.ORDERS`: "halves" takes x
-  as it is, "pairs" its even and odd K columns transposed)."""
+  weight sync tiles FP4 weights in for the Mosaic matmuls (`layout.ORDERS`: "halves", the
+  default, takes x as it is; "pairs" its even and odd K columns transposed)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if fp4_order not in FP4_ORDERS:
@@ -124,7 +125,7 @@ def _tiles(w) -> dict | None:
   return _bf16_tiles(w)
 
 
-def _weight_layout(w, order: str = "pairs"):
+def _weight_layout(w, order: str = FP4_ORDER):
   """A rollout weight in the layout its kernel reads: MXFP4 / NVFP4 projections the Mosaic GPU
   kernels take (N and K multiples of 64) tiled for them (`TiledFP4`, the same bytes permuted);
   anything else as it is. On a GPU without those kernels (not Hopper) nothing is tiled: the
@@ -216,7 +217,7 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
                           interpret=_interpret())
 
 
-def _w4a4_weight_layout(w, order: str = "pairs"):
+def _w4a4_weight_layout(w, order: str = FP4_ORDER):
   """With W4A4: MXFP4 projections and experts ([K, N] or [E, K, N] quantized along K, N and K
   multiples of 64) in the W4A4 kernels' layout (`w4a4_layout.TiledW4`); others as
   `_weight_layout` lays them out."""
@@ -271,7 +272,7 @@ class KernelOps(XlaOps):
   name = "pallas"
 
   def __init__(self, attention_kernel: str = "auto", w4a4: bool = False,
-               fp4_order: str = "pairs"):
+               fp4_order: str = FP4_ORDER):
     self.attention_kernel = attention_kernel
     self.w4a4 = w4a4
     self.fp4_order = fp4_order

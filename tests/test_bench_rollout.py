@@ -9,19 +9,21 @@ from experiments import bench_rollout
 
 def test_bench_rollout_variant_names():
   parse = bench_rollout.parse_variant
-  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, "pairs")
-  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic", False, False, "pairs")
-  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, "pairs")
-  assert parse("mxfp4:pallas:mosaic+scan") == ("mxfp4", "pallas", "mosaic", True, False, "pairs")
-  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True, "pairs")
+  h = "halves"  # the engine's default nibble order
+  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, h)
+  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic", False, False, h)
+  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, h)
+  assert parse("mxfp4:pallas:mosaic+scan") == ("mxfp4", "pallas", "mosaic", True, False, h)
+  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True, h)
   assert parse("mxfp4:pallas+w4a4+scan") == parse("mxfp4:pallas+scan+w4a4") == (
-      "mxfp4", "pallas", "auto", True, True, "pairs")
-  assert parse("nvfp4:pallas+halves") == ("nvfp4", "pallas", "auto", False, False, "halves")
-  assert parse("mxfp4:pallas+halves+scan") == ("mxfp4", "pallas", "auto", True, False, "halves")
+      "mxfp4", "pallas", "auto", True, True, h)
+  assert parse("nvfp4:pallas+pairs") == ("nvfp4", "pallas", "auto", False, False, "pairs")
+  assert parse("mxfp4:pallas+pairs+scan") == ("mxfp4", "pallas", "auto", True, False, "pairs")
+  assert parse("mxfp4:pallas+halves") == parse("mxfp4:pallas")
   for bad in ("mxfp4:xla:mosaic", "mxfp4:pallas:flash", "fp8:pallas", "mxfp4:pallas:mosaic:x",
               "mxfp4", "mxfp4:pallas+scanned", "+scan", "mxfp4:xla+w4a4", "mxfp4:triton+w4a4",
-              "mxfp4:xla+halves", "mxfp4:triton+halves", "bf16:pallas+halves",
-              "mxfp4:pallas+w4a4+halves"):
+              "mxfp4:xla+pairs", "mxfp4:triton+pairs", "bf16:pallas+pairs",
+              "bf16:pallas+halves", "mxfp4:pallas+w4a4+pairs", "mxfp4:pallas+pairs+halves"):
     with pytest.raises(ValueError, match=re.escape(f"unknown variant '{bad}'")):
       parse(bad)
 
@@ -172,7 +174,7 @@ def test_decode_ops_counts_what_surrounds_the_kernels_on_hopper():
   and sees what the "halves" order removes: x's transposes and even/odd slices, not a kernel."""
   from experiments import decode_ops
   from pallas_kernels import dispatch
-  result = decode_ops.run(["mxfp4:pallas", "mxfp4:pallas+halves", "bf16:pallas"], layers=1,
+  result = decode_ops.run(["mxfp4:pallas+pairs", "mxfp4:pallas", "bf16:pallas"], layers=1,
                           batch=16, context=123, preset="small")  # 128 slots
   pairs, halves, bf16 = result["rows"]
   assert {"fp4_wgmma", "grouped_fp4_wgmma"} <= set(pairs["kernels"])  # (head_dim 32: Triton's
@@ -185,6 +187,6 @@ def test_decode_ops_counts_what_surrounds_the_kernels_on_hopper():
                    "optimization_barrier": 3}
   assert bf16["movement"]["transpose"] == 0 and "fp4_wgmma" not in bf16["kernels"]
   assert dispatch._interpret()  # the patches undone: on CPU the kernels interpret again
-  assert "| mxfp4:pallas+halves |" in decode_ops.table(result)
+  assert "| mxfp4:pallas+pairs |" in decode_ops.table(result)
   with pytest.raises(ValueError, match="pallas or triton variant"):
     decode_ops.run(["mxfp4:xla"], layers=1, batch=4, context=16, preset="small")

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.dispatch import FP4_ORDER
 from pallas_kernels.fp4_matmul import api, layout, mosaic, mosaic_grouped_baseline, reference
 from pallas_kernels.timing import KERNELS, copy_bandwidth, cuda_event_seconds, time_calls
 from trace_jax.quant import MXFP4, NVFP4_TENSOR, quantize
@@ -225,7 +226,7 @@ def torch_grouped(x, w, group_sizes, copies: int, ref) -> tuple[float, float] | 
 
 def run_grouped(quick: bool = False, shapes: list[str] | None = None,
                 batches: list[int] | None = None, formats: list[str] | None = None,
-                engine: bool = False) -> dict:
+                engine: bool = False, skip: tuple[str, ...] = ()) -> dict:
   """The MoE expert matmul of qwen3_30b_a3b at decode, per projection and batch M (T = TOP_K x M
   routed rows): XLA's ragged_dot and the project's kernel in bf16, JAX's Mosaic GPU grouped
   kernel in bf16 (each of MOSAIC_GROUPED_BF16), the project's Mosaic bf16 kernel (each of
@@ -233,7 +234,8 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
   ragged_dot), by the Triton kernel with its default tiles and by the project's Mosaic kernel
   on weights in either nibble order (`layout.ORDERS`; each of MOSAIC_GROUPED_FP4). `engine`:
   only what the rollout engine runs, with its defaults (no JAX or project Mosaic bf16 kernel,
-  the "pairs" order). Bytes moved count
+  the engine's nibble order). `skip`: variants to leave out, by the start of their name (the
+  xla references always run). Bytes moved count
   the weights of the experts hit (distinct among the routed rows), activations and outputs;
   each xla row is the reference of the rows after it."""
   key = jax.random.PRNGKey(0)
@@ -263,6 +265,8 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
       refs = {}
 
       def row(variant, fn, ws, expert_bytes, ref, cfg=None):
+        if not variant.startswith("xla") and variant.startswith(tuple(skip)):
+          return
         out = jax.jit(fn)(xs, ws[0])
         if variant.startswith("xla"):  # the reference of its format (rel_err 0)
           refs[ref] = out
@@ -298,7 +302,7 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         for variant, fn in ((f"xla {fmt} dequant+ragged_dot", xla), (f"pallas {fmt}", pallas)):
           _attempt(result, f"{name} M={m} {variant}",
                    lambda: row(variant, fn, ws, ws[0].nbytes / EXPERTS, fmt))
-        for order in ("pairs",) if engine else layout.ORDERS:
+        for order in (FP4_ORDER,) if engine else layout.ORDERS:
           tiled = [layout.tile(w, order) for w in ws]  # outside the timing
           label = f"mosaic {fmt}" + ("" if order == "pairs" else f" {order}")
           for cfg in [{}] if engine else MOSAIC_GROUPED_FP4:
@@ -451,6 +455,9 @@ def main():
                       help="the MoE expert matmul (qwen3_30b_a3b: 128 experts, top-8) instead")
   parser.add_argument("--engine", action="store_true",
                       help="each kernel only as the rollout engine calls it (default tiles)")
+  parser.add_argument("--skip", default="",
+                      help="--grouped: comma-separated variants to leave out, by the start of "
+                           "their name (e.g. 'mosaic bf16 (jax')")
   parser.add_argument("--load_probe", action="store_true",
                       help="only the load-throughput probe (uint8 / uint32 / uint16 tiles)")
   parser.add_argument("--bf16_sweep", action="store_true",
@@ -471,7 +478,8 @@ def main():
   batches = [int(b) for b in args.batches.split(",") if b]
   formats = [f for f in args.formats.split(",") if f]
   if args.grouped:
-    result = run_grouped(args.quick, shapes, batches, formats, args.engine)
+    result = run_grouped(args.quick, shapes, batches, formats, args.engine,
+                         tuple(v for v in args.skip.split(",") if v))
     path = "fp4_matmul_grouped.json"
   elif args.engine:
     result = run(args.quick, shapes, batches, ENGINE, formats, MOSAIC_BF16[:1])
