@@ -268,15 +268,22 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
 
 def _store(acc, out_gmem, si, ni, block_n, cols=slice(None)):
   """The accumulator tile [block_n, M] -> out_gmem[si, ni-th block_n rows, cols], via shared
-  memory."""
+  memory, in out_gmem's dtype (float32, or bf16 rounded once from the float32 sums)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(acc.shape, jnp.float32))
+  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(acc.shape, out_gmem.dtype))
   def _(o_smem):
-    o_smem[...] = acc
+    o_smem[...] = acc if out_gmem.dtype == jnp.float32 else acc.astype(out_gmem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * block_n, block_n), cols])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _check_out_dtype(out_dtype, splits: int):
+  if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16) or (
+      jnp.dtype(out_dtype) == jnp.bfloat16 and splits != 1):
+    raise ValueError(f"out_dtype must be float32, or bfloat16 with one split (partials are "
+                     f"summed in float32); got {jnp.dtype(out_dtype).name} with {splits} splits")
 
 
 def _without_xo(body):
@@ -344,19 +351,22 @@ def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
-                                             "max_concurrent_steps", "decode", "order"))
+                                             "max_concurrent_steps", "decode", "order",
+                                             "out_dtype"))
 def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
                                fmt: str, block_k2: int = 128, splits: int = 1,
                                max_concurrent_steps: int = 4, decode: str = "asm",
-                               order: str = "pairs"):
+                               order: str = "pairs", out_dtype=jnp.float32):
   """The grouped form of `fp4_wgmma_partials`: x in 16-token tiles (`xs`: "pairs" (xe_t, xo_t)
   [K/2, 16 x tiles], "halves" (x,) [16 x tiles, K]), per-expert tiled weights (codes
   [E, N/64, K/64, 64, 32] in that `order`, scales [E, N/64, K/block, 64], globals [E]),
   tile_expert [tiles + 1] (each tile's expert, then the tiles in use) -> float32
-  [splits, N, 16 x tiles] partials of y^T; the columns of unused tiles are left unwritten."""
+  [splits, N, 16 x tiles] partials of y^T (`out_dtype` bf16, with one split: y^T rounded once
+  to bf16 in the kernel); the columns of unused tiles are left unwritten."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+  _check_out_dtype(out_dtype, splits)
   k2, r = _x_operands(xs, order, decode)
   e, n = codes.shape[0], codes.shape[1] * 64
   want = (e, n // 64, k2 // (16 if fmt == "mxfp4" else 8), 64)
@@ -379,7 +389,7 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
       (n // 64, splits, r // 16), ("n", "s", "t"))
   body.__name__ = "grouped_fp4_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((splits, n, r), jnp.float32),
+      body, out_type=jax.ShapeDtypeStruct((splits, n, r), out_dtype),
       grid=grid, grid_names=names,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -467,14 +477,16 @@ def _grouped_bf16_body(x_gmem, w_gmem, tile_expert, out_gmem, *, block_k, steps,
     _store(acc, out_gmem, si, ni, ROWS, cols=pl.ds(ti * 16, 16))
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps"))
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "max_concurrent_steps",
+                                             "out_dtype"))
 def grouped_bf16_wgmma_partials(x, w, tile_expert, *, block_k: int = 128, splits: int = 1,
-                                max_concurrent_steps: int = 4):
+                                max_concurrent_steps: int = 4, out_dtype=jnp.float32):
   """The bf16 twin of `grouped_fp4_wgmma_partials` (the "halves" order's operands): x's rows
   in 16-token tiles ([16 x tiles, K]), per-expert bf16 weights w [E, K, N] as the engine holds
-  them, tile_expert [tiles + 1] -> float32 [splits, N, 16 x tiles] partials of y^T; the columns
-  of unused tiles are left unwritten."""
+  them, tile_expert [tiles + 1] -> float32 [splits, N, 16 x tiles] partials of y^T (`out_dtype`
+  bf16, with one split: y^T in bf16); the columns of unused tiles are left unwritten."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  _check_out_dtype(out_dtype, splits)
   r, k = x.shape
   e, _, n = w.shape
   if (w.shape[1] != k or r % 16 or n % ROWS or tile_expert.shape != (r // 16 + 1,)
@@ -491,7 +503,7 @@ def grouped_bf16_wgmma_partials(x, w, tile_expert, *, block_k: int = 128, splits
   grid, names = ((n // ROWS, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
       (n // ROWS, splits, r // 16), ("n", "s", "t"))
   return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((splits, n, r), jnp.float32),
+      body, out_type=jax.ShapeDtypeStruct((splits, n, r), out_dtype),
       grid=grid, grid_names=names,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -514,8 +526,16 @@ def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   splits = splits or default_splits(src.shape[0] // 16, n // ROWS, k // block_k,
                                     programs=2 * 132, max_splits=8)
   partials = grouped_bf16_wgmma_partials(_tiled_rows(x, src), w, tile_expert, block_k=block_k,
-                                         splits=splits, max_concurrent_steps=max_concurrent_steps)
+                                         splits=splits, max_concurrent_steps=max_concurrent_steps,
+                                         out_dtype=_out_dtype(splits))
   return _rows_back(partials, dest)
+
+
+def _out_dtype(splits: int):
+  """What the grouped kernels write: y^T in bf16 from one split (the rounding the wrapper
+  would make, done in the kernel: half the bytes written and read back), else float32
+  partials."""
+  return jnp.bfloat16 if splits == 1 else jnp.float32
 
 
 def _tiled_rows(x, src):
@@ -525,10 +545,11 @@ def _tiled_rows(x, src):
 
 
 def _rows_back(partials, dest):
-  """A grouped kernel's float32 partials of y^T [splits, N, 16 x tiles] -> y [T, N] bf16: the
-  splits summed, each row's column gathered (along memory) in bf16 (`dest`; zeros past the
-  groups), then transposed."""
-  y_t = jnp.sum(partials, axis=0).astype(jnp.bfloat16)
+  """A grouped kernel's partials of y^T [splits, N, 16 x tiles] (float32, or y^T itself in bf16
+  from one split, `_out_dtype`) -> y [T, N] bf16: the splits summed, each row's column gathered
+  (along memory) in bf16 (`dest`; zeros past the groups), then transposed."""
+  y_t = (partials[0] if partials.shape[0] == 1 else jnp.sum(partials, axis=0)).astype(
+      jnp.bfloat16)
   return _transposed(jnp.take(y_t, dest, axis=1, mode="fill", fill_value=0))
 
 
@@ -612,7 +633,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
                                     programs=2 * 132, max_splits=8)
   partials = grouped_fp4_wgmma_partials(
       xs, w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt, block_k2=block_k2,
-      splits=splits, max_concurrent_steps=stages, decode=decode, order=w.order)
+      splits=splits, max_concurrent_steps=stages, decode=decode, order=w.order,
+      out_dtype=_out_dtype(splits))
   return _rows_back(partials, dest)  # likewise out: y^T's columns gathered, then transposed
 
 

@@ -3,6 +3,8 @@
 Mosaic GPU has no interpret mode; on CPU the kernels are lowered for CUDA (layout inference and
 the kernel's own checks run there), and compiled only on a Hopper GPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -320,8 +322,23 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
   w = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 128, fmt), order))
   x = jax.ShapeDtypeStruct((20, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-  f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s))
-  assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).mlir_module()
+  for kw in ({}, dict(block_k2=64, splits=2)):  # one split (bf16 y^T), two (float32 partials)
+    f = jax.jit(lambda x, w, s, kw=kw: mosaic.grouped_fp4_matmul(x, w, s, **kw))
+    assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).mlir_module()
+  # two 16-token tiles: x's rows ("halves"), or its even and odd K columns transposed ("pairs")
+  xs = ((jax.ShapeDtypeStruct((32, 256), jnp.bfloat16),) if order == "halves"
+        else (jax.ShapeDtypeStruct((128, 32), jnp.bfloat16),) * 2)
+  table = jax.ShapeDtypeStruct((3,), jnp.int32)
+  for splits, dtype in ((1, jnp.bfloat16), (2, jnp.float32)):
+    part = jax.jit(functools.partial(mosaic.grouped_fp4_wgmma_partials, fmt=w.kernel_fmt,
+                                     block_k2=64, splits=splits, order=order, out_dtype=dtype))
+    out = jax.export.export(part, platforms=["cuda"])(xs, w.codes, w.scales, w.global_scale,
+                                                      table).out_avals[0]
+    assert (out.shape, out.dtype) == ((splits, 128, 32), dtype)
+  with pytest.raises(ValueError, match="out_dtype must be float32, or bfloat16 with one split"):
+    mosaic.grouped_fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, table,
+                                      fmt=w.kernel_fmt, block_k2=64, splits=2, order=order,
+                                      out_dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="group_sizes"):
     mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((3,), jnp.int32))
   with pytest.raises(ValueError, match="per-expert"):
@@ -386,8 +403,8 @@ def test_jax_grouped_baseline_lowers_for_cuda():
 def _emulated_partials(w_dense, grouped: bool, order: str):
   """What the wgmma kernels compute, in jnp, for a weight known as its dequantized bf16 values
   w_dense ([K, N] or [E, K, N]) tiled in `order`: y^T from x's even and odd K columns
-  transposed ("pairs") or from x ("halves"), as `splits` partials; the columns of unused token
-  tiles NaN (poison: the wrappers must not read them)."""
+  transposed ("pairs") or from x ("halves"), as `splits` partials (in the `out_dtype` asked
+  for); the columns of unused token tiles NaN (poison: the wrappers must not read them)."""
   w32 = jnp.asarray(w_dense, jnp.float32)
 
   def partials(xs, codes, scales, global_scale, *table, splits, **kw):
@@ -404,7 +421,8 @@ def _emulated_partials(w_dense, grouped: bool, order: str):
       tile = jnp.arange(r) // 16
       y_t = jnp.einsum("rkn,kr->nr", w32[tile_expert[tile]], xt)
       y_t = jnp.where(tile < tile_expert[-1], y_t, jnp.nan)
-    return jnp.broadcast_to(y_t / splits, (splits, *y_t.shape))  # exact: splits a power of 2
+    out = jnp.broadcast_to(y_t / splits, (splits, *y_t.shape))  # exact: splits a power of 2
+    return out.astype(kw.get("out_dtype", jnp.float32))
 
   return partials
 
@@ -439,8 +457,9 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
   sizes = (5, 0, 17, 1)
   x = jax.random.normal(jax.random.PRNGKey(9), (sum(sizes) + 3, 256), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=2),
-        reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
+  for splits in (2, 1):  # float32 partials summed; one split's y^T in bf16 from the kernel
+    check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=splits),
+          reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
 
 
 def test_grouped_bf16_kernel_lowers_for_cuda_and_names_what_is_wrong():
@@ -471,17 +490,22 @@ def test_grouped_bf16_wrapper_moves_rows_right(monkeypatch):
     y_t = jnp.einsum("rkn,rk->nr", w[tile_expert[tile]].astype(jnp.float32),
                      x.astype(jnp.float32))
     y_t = jnp.where(tile < tile_expert[-1], y_t, jnp.nan)  # unused tiles: never read
-    return jnp.broadcast_to(y_t / splits, (splits, *y_t.shape))
+    asked.append(kw["out_dtype"])
+    return jnp.broadcast_to(y_t / splits, (splits, *y_t.shape)).astype(kw["out_dtype"])
+
+  asked = []
 
   monkeypatch.setattr(mosaic, "grouped_bf16_wgmma_partials", partials)
   sizes = (5, 0, 17, 1)
   x = jax.random.normal(jax.random.PRNGKey(2), (sum(sizes) + 3, k), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  got = np.asarray(mosaic.grouped_bf16_matmul(x, w, gs, splits=2), np.float32)
   want = np.asarray(reference.grouped_bf16_matmul(x, w, gs), np.float32)
-  assert not np.isnan(got).any()
-  np.testing.assert_array_equal(got[sum(sizes):], 0)
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+  for splits in (2, 1):
+    got = np.asarray(mosaic.grouped_bf16_matmul(x, w, gs, splits=splits), np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[sum(sizes):], 0)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+  assert asked == [jnp.float32, jnp.bfloat16]  # one split: y^T written in bf16 by the kernel
 
 
 @pytest.mark.gpu
