@@ -17,6 +17,9 @@ as they were, so more seeds can be added later, on another machine. Then, per fa
 - record bytes against the KL they buy: the trained trace_all policy probed on its task's eval
   prompts with records of none / last:1 / last:2 / all layers, routing replay off and on.
 
+Compiled programs are kept in JAX's persistent cache (<out>/compile_cache, `--compile_cache`),
+so the runs after the first of a family and mode load theirs instead of compiling them.
+
 Writes <out>/summary.json (the table's numbers, each run's config and command, the commit and
 package versions), <out>/curves.json (experiments/curves.py: the per-run curves, small enough
 to commit) and the figures (experiments/figures/*.png), drawn from those two files alone;
@@ -186,6 +189,11 @@ def markdown_table(summary: dict, families) -> str:
   return "\n".join(lines)
 
 
+def use_compile_cache(path: str) -> None:
+  """JAX's persistent compilation cache in `path`, for this process (set before it compiles)."""
+  jax.config.update("jax_compilation_cache_dir", path)
+
+
 def main(argv=None):
   parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--scale", default="cpu", choices=SCALES,
@@ -205,6 +213,10 @@ def main(argv=None):
                       help="only redraw the figures and the table from <out>/summary.json and "
                            "<out>/curves.json")
   parser.add_argument("--data_dir", default="", help="where TFDS datasets are prepared")
+  parser.add_argument("--compile_cache", default=None,
+                      help="JAX's persistent compilation cache, shared by the runs (a seed's "
+                           "programs are the other seeds'): default <out>/compile_cache, "
+                           "'none' for none")
   args = parser.parse_args(argv)
   sub = "" if args.scale == "cpu" else args.scale
   args.out = args.out or os.path.join("experiments", "results", sub)
@@ -240,6 +252,9 @@ def main(argv=None):
       sys.exit(f"--figures_only: {e}")
     return _report(data, args)
   families = families or list(FAMILIES)
+  cache = args.compile_cache or os.path.join(args.out, "compile_cache")
+  if cache != "none":
+    use_compile_cache(cache)
   start = time.time()
   summary["provenance"] = provenance()
   for family in families:

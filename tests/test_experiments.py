@@ -13,10 +13,14 @@ from tests.test_results import NOTEBOOK, assert_summary_matches_curves, execute_
 pytestmark = pytest.mark.slow  # minutes: short RL runs, a probe, an interpreted benchmark
 
 
-def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path):
+def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path, monkeypatch):
   out, figs = str(tmp_path / "results"), str(tmp_path / "figures")
+  # the runs share JAX's persistent cache, <out>/compile_cache (a process-wide setting: not here)
+  monkeypatch.setattr(ablation, "use_compile_cache", lambda path: used.append(path))
+  used = []
   ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=reasoning",
                  "--modes=bf16,trace_all", f"--data_dir={tmp_path / 'tfds'}"])
+  assert used == [os.path.join(out, "compile_cache")]
   with open(os.path.join(out, "summary.json")) as fh:
     summary = json.load(fh)
   acc = summary["reasoning"]["final_eval_accuracy"]
@@ -40,7 +44,8 @@ def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path):
     shutil.copy(os.path.join(out, name), fresh / name)
   # rerunning skips the finished runs
   ablation.main(["--smoke", f"--out={out}", f"--figures={figs}", "--families=reasoning",
-                 "--modes=bf16", f"--data_dir={tmp_path / 'tfds'}"])
+                 "--modes=bf16", f"--data_dir={tmp_path / 'tfds'}", "--compile_cache=none"])
+  assert used == [os.path.join(out, "compile_cache")]  # none: no cache
   os.remove(os.path.join(out, "table.md"))
   ablation.main(["--figures_only", f"--out={out}", f"--figures={figs}", "--families=reasoning"])
   assert "| reasoning | bf16 |" in open(os.path.join(out, "table.md")).read()

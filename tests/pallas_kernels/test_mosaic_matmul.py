@@ -373,18 +373,21 @@ def test_dispatch_takes_tiled_weights(fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("sizes,k,n", [((5, 0, 17, 1), 2048, 768), ((40, 3, 0, 9), 768, 2048)])
 def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
-  """Ragged and empty groups, rows past the groups (zeros), against XLA's dequantize-ragged_dot."""
+  """Ragged and empty groups, rows past the groups (zeros), against XLA's dequantize-ragged_dot;
+  with the default splits (4 and 1 at these sizes) and one split (y^T written in bf16)."""
   e = len(sizes)
   w = grouped_weight(k + n, e, k, n, fmt)
   t = sum(sizes) + 3
   x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs), np.float32)
   want = np.asarray(reference.grouped_fp4_matmul(x, w, gs), np.float32)
-  assert not np.isnan(got).any()
-  np.testing.assert_array_equal(got[sum(sizes):], 0)
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
-  assert np.mean(got != want) < 0.05
+  for splits in (None, 1):
+    got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, splits=splits),
+                     np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[sum(sizes):], 0)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+    assert np.mean(got != want) < 0.05
 
 
 def test_jax_grouped_baseline_lowers_for_cuda():
@@ -511,14 +514,16 @@ def test_grouped_bf16_wrapper_moves_rows_right(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes,k,n", [((5, 0, 17, 1), 2048, 768), ((40, 3, 0, 9), 768, 2048)])
 def test_grouped_bf16_kernel_on_gpu(sizes, k, n):
-  """Compiled: ragged and empty groups, rows past the groups (zeros), against XLA's ragged_dot."""
+  """Compiled: ragged and empty groups, rows past the groups (zeros), against XLA's ragged_dot;
+  with the default splits (4 and 2 at these sizes) and one split (y^T written in bf16)."""
   e = len(sizes)
   w = jax.random.normal(jax.random.PRNGKey(k), (e, k, n), jnp.bfloat16)
   t = sum(sizes) + 3
   x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  got = np.asarray(mosaic.grouped_bf16_matmul(x, w, gs), np.float32)
   want = np.asarray(reference.grouped_bf16_matmul(x, w, gs), np.float32)
-  assert not np.isnan(got).any()
-  np.testing.assert_array_equal(got[sum(sizes):], 0)
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+  for splits in (None, 1):
+    got = np.asarray(mosaic.grouped_bf16_matmul(x, w, gs, splits=splits), np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[sum(sizes):], 0)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
