@@ -68,8 +68,8 @@ ORDER_SUFFIXES = {"+pairs", "+halves"}
 
 def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
   """A variant, "precision:kernels[:attention][+scan][+w4a4][+pairs|+halves]" -> (precision,
-  kernels, attention backend, whether the decode step scans its layers, whether MXFP4 matmuls run the
-  W4A4 kernels, the FP4 weights' nibble order for the Mosaic matmuls)."""
+  kernels, attention backend, whether the decode step scans its layers, whether MXFP4 matmuls
+  run the W4A4 kernels, the FP4 weights' nibble order for the Mosaic matmuls)."""
   name, flags = v, set()
   while name.endswith(SUFFIXES):
     suffix = next(x for x in SUFFIXES if name.endswith(x))

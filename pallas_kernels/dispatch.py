@@ -50,7 +50,6 @@ from pallas_kernels.fp4_matmul import mosaic, w4a4
 from pallas_kernels.fp4_matmul import w4a4_layout
 from pallas_kernels.fp4_matmul.layout import FORMATS as FP4_WEIGHT_FORMATS
 from pallas_kernels.fp4_matmul.layout import ORDERS as FP4_ORDERS
-FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
 from pallas_kernels.fp4_matmul.layout import TiledFP4, tile, untile
 from pallas_kernels.quantize_record import quantize_and_record
 from pallas_kernels.quantize_record.reference import FORMATS as _RECORD_FORMATS
@@ -59,6 +58,7 @@ from trace_jax.quant import QArray, Record
 from trace_jax.quant.formats import Format
 
 KERNELS = ("xla", "pallas")
+FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
 ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
 # besides NVFP4 ones whose V it takes from registers (`mosaic_attention.v_in_registers`)
