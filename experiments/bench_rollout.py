@@ -62,8 +62,8 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:palla
             "mxfp4:triton", "nvfp4:triton")
 
 
-SUFFIXES = ("+scan", "+w4a4", "+pairs", "+halves")
-ORDER_SUFFIXES = {"+pairs", "+halves"}
+ORDER_SUFFIXES = ("+pairs", "+halves")
+SUFFIXES = ("+scan", "+w4a4", *ORDER_SUFFIXES)
 
 
 def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
@@ -78,9 +78,9 @@ def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
       len(parts) == 3 and parts[1] == "xla") or (
-          flags & ({"+w4a4"} | ORDER_SUFFIXES) and parts[1] != "pallas") or (
-          flags & ORDER_SUFFIXES and (parts[0] == "bf16" or "+w4a4" in flags)) or (
-          ORDER_SUFFIXES <= flags):
+          flags & {"+w4a4", *ORDER_SUFFIXES} and parts[1] != "pallas") or (
+          flags & set(ORDER_SUFFIXES) and (parts[0] == "bf16" or "+w4a4" in flags)) or (
+          set(ORDER_SUFFIXES) <= flags):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
