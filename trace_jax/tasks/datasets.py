@@ -25,10 +25,16 @@ class FixedSplitsBuilder(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(builder_cls, config: SplitsConfig, data_dir: str | None) -> dict:
-  """Generates the dataset once (later calls reuse the files); -> data sources by split."""
+  """Generates the dataset once (later calls reuse the files); -> data sources by split. Runs
+  started side by side may generate the same dataset at once: the first to finish writes it,
+  the others read its files (the same examples: generation is seeded)."""
   tfds.disable_progress_bar()
   builder = builder_cls(config=config, data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare()
+  try:
+    builder.download_and_prepare()
+  except FileExistsError:  # another process finished it first: its files, as a later call
+    builder = builder_cls(config=config, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
   return {split: builder.as_data_source(split=split) for split in ("train", "eval")}
 
 
