@@ -19,6 +19,10 @@ as they were, so more seeds can be added later, on another machine. Then, per fa
 
 Compiled programs are kept in JAX's persistent cache (<out>/compile_cache, `--compile_cache`),
 so the runs after the first of a family and mode load theirs instead of compiling them.
+`--jobs=N` trains N runs at once, each in a process of its own (`python -m trace_jax.main`,
+its output in <run dir>/train.log): on one GPU the processes share it, each with 1/N of its
+memory, and one compiles or steps on the host while another runs on the device; the results
+are then read as above.
 
 Writes <out>/summary.json (the table's numbers, each run's config and command, the commit and
 package versions), <out>/curves.json (experiments/curves.py: the per-run curves, small enough
@@ -194,6 +198,50 @@ def use_compile_cache(path: str) -> None:
   jax.config.update("jax_compilation_cache_dir", path)
 
 
+def train_command(family: str, mode: str, seed: int, workdir: str, smoke: bool = False,
+                  scale: str = "cpu", data_dir: str = "") -> list[str]:
+  """The command that trains one run in a process of its own (what `run_results` records)."""
+  arg = config_arg(family, mode, seed, smoke, scale)
+  return ([sys.executable, "-m", "trace_jax.main",
+           f"--config={os.path.join(ROOT, 'configs', 'ablation.py')}:{arg}",
+           f"--workdir={workdir}", "--noprogress"]
+          + ([f"--config.data_dir={data_dir}"] if data_dir else []))
+
+
+def train_in_processes(runs: list[tuple[str, list[str], str]], jobs: int,
+                       cache: str | None = None, poll_s: float = 1.0) -> list[str]:
+  """Runs (name, command, workdir) at most `jobs` at a time, each command in a process of its
+  own with its output in <workdir>/train.log, in the order given -> the names of those that
+  failed. Each process gets 1/jobs of the GPU's memory (unless XLA_PYTHON_CLIENT_MEM_FRACTION
+  is set) and `cache` as JAX's persistent compilation cache."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / jobs:.3f}")
+  if cache:
+    env["JAX_COMPILATION_CACHE_DIR"] = cache
+  queue, running, failed = list(runs), {}, []
+  while queue or running:
+    while queue and len(running) < jobs:
+      name, command, workdir = queue.pop(0)
+      os.makedirs(workdir, exist_ok=True)
+      log = open(os.path.join(workdir, "train.log"), "a")
+      proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+      running[proc] = (name, log, time.time())
+      print(f"== {name} -> {workdir} (process {proc.pid}; {len(queue)} waiting)", flush=True)
+    time.sleep(poll_s)
+    for proc in [p for p in running if p.poll() is not None]:
+      name, log, started = running.pop(proc)
+      log.close()
+      took = (time.time() - started) / 60
+      if proc.returncode:
+        failed.append(name)
+        print(f"== {name}: failed (exit status {proc.returncode}) after {took:.1f} min; see "
+              f"{log.name}", flush=True)
+      else:
+        print(f"== {name}: trained in {took:.1f} min", flush=True)
+  return failed
+
+
 def main(argv=None):
   parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--scale", default="cpu", choices=SCALES,
@@ -217,7 +265,13 @@ def main(argv=None):
                       help="JAX's persistent compilation cache, shared by the runs (a seed's "
                            "programs are the other seeds'): default <out>/compile_cache, "
                            "'none' for none")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="runs trained at once, each in a process of its own (a GPU is "
+                           "shared, each process taking 1/jobs of its memory); default 1, in "
+                           "this process")
   args = parser.parse_args(argv)
+  if args.jobs < 1:
+    parser.error(f"--jobs={args.jobs}: at least 1")
   sub = "" if args.scale == "cpu" else args.scale
   args.out = args.out or os.path.join("experiments", "results", sub)
   args.figures = args.figures or os.path.join("experiments", "figures", sub)
@@ -255,8 +309,15 @@ def main(argv=None):
   cache = args.compile_cache or os.path.join(args.out, "compile_cache")
   if cache != "none":
     use_compile_cache(cache)
+  if args.jobs > 1:  # this process reads results while others train: no memory taken ahead
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   start = time.time()
   summary["provenance"] = provenance()
+  failed = []
+  if args.jobs > 1:
+    failed = train_in_processes(
+        _to_train(summary, families, modes, seeds, args), args.jobs,
+        None if cache == "none" else os.path.abspath(cache))
   for family in families:
     fam = summary.setdefault(family, {"runs": {}, "final_eval_accuracy": {}})
     fam_runs = runs.setdefault(family, {})
@@ -269,6 +330,8 @@ def main(argv=None):
         key = f"{mode}/seed{seed}"
         recorded = fam["runs"].get(key, {}).get("config_arg") == config_arg(
             family, mode, seed, args.smoke, args.scale)
+        if f"{family}/{key}" in failed:
+          continue
         if not finished(workdir, c):
           if recorded and not os.path.exists(workdir):
             print(f"== {family} / {mode} / seed {seed}: kept from {curves.SUMMARY} (its run "
@@ -285,6 +348,8 @@ def main(argv=None):
         _headline(fam, mode, fresh)
         summary["runtime_s"] = time.time() - start
         curves.write(args.out, summary, runs)  # after every run: a stop keeps what is done
+      if not any(k.startswith(mode + "/") for k in fam["runs"]):  # its runs all failed
+        continue
       first = _headline(fam, mode, fresh)
       if mode == "trace_all" and first in fresh:
         fam["probe"] = probe(os.path.join(args.out, family, mode, f"seed{first}"))
@@ -292,6 +357,29 @@ def main(argv=None):
     curves.write(args.out, summary, runs)
   _report(figures.load(args.out), args)  # of every family the results hold, kept ones too
   print(f"done in {summary['runtime_s'] / 60:.1f} min")
+  if failed:
+    sys.exit(f"failed: {', '.join(failed)} (each run's train.log says why; rerunning the same "
+             f"command resumes them)")
+
+
+def _to_train(summary: dict, families, modes, seeds, args) -> list[tuple[str, list[str], str]]:
+  """The runs this invocation trains, as `train_in_processes` takes them: a seed's families
+  and modes before the next seed's, so that the first processes compile different programs
+  and the later ones find theirs in the cache."""
+  runs = []
+  for seed in seeds:
+    for family in families:
+      for mode in modes:
+        c = run_config(family, mode, seed, args.smoke, args.scale)
+        workdir = os.path.join(args.out, family, mode, f"seed{seed}")
+        kept = summary.get(family, {}).get("runs", {}).get(f"{mode}/seed{seed}", {}).get(
+            "config_arg") == config_arg(family, mode, seed, args.smoke, args.scale)
+        if finished(workdir, c) or kept and not os.path.exists(workdir):
+          continue
+        runs.append((f"{family}/{mode}/seed{seed}",
+                     train_command(family, mode, seed, workdir, args.smoke, args.scale,
+                                   args.data_dir), workdir))
+  return runs
 
 
 def _headline(fam: dict, mode: str, fresh: set) -> int:
