@@ -190,7 +190,9 @@ MOSAIC_GROUPED_BF16 = [dict(block_m=64, block_n=bn, block_k=bk, max_concurrent_s
 MOSAIC_GROUPED_BF16 += [dict(MOSAIC_GROUPED_BF16[0], transpose_rhs=True)]
 # the project's Mosaic grouped FP4 kernel (`mosaic.grouped_fp4_matmul`, 16-token tiles)
 MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
-                      for bk, st in [(128, 4), (64, 8), (192, 2)]]
+                      for bk, st in [(128, 4), (64, 8), (192, 2)]] + [
+    dict(block_k2=bk, max_concurrent_steps=st, row_tiles=2)  # "halves" weights only
+    for bk, st in [(128, 4), (128, 2), (64, 4)]]
 # the project's Mosaic grouped bf16 kernel (`mosaic.grouped_bf16_matmul`, 16-token tiles, x and
 # the weight both read transposed from shared memory)
 MOSAIC_GROUPED_BF16_PROJECT = [dict(block_k=bk, max_concurrent_steps=st)
@@ -305,7 +307,8 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         for order in (FP4_ORDER,) if engine else layout.ORDERS:
           tiled = [layout.tile(w, order) for w in ws]  # outside the timing
           label = f"mosaic {fmt}" + ("" if order == "pairs" else f" {order}")
-          for cfg in [{}] if engine else MOSAIC_GROUPED_FP4:
+          for cfg in [{}] if engine else [c for c in MOSAIC_GROUPED_FP4
+                                          if order == "halves" or "row_tiles" not in c]:
             mgpu4 = lambda a, w, cfg=cfg: mosaic.grouped_fp4_matmul(a[0], w, a[1], **cfg)
             _attempt(result, f"{name} M={m} {label} {cfg}",
                      lambda: row(label, mgpu4, tiled, ws[0].nbytes / EXPERTS, fmt, cfg))

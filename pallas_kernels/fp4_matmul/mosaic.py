@@ -144,11 +144,13 @@ def _load(ref, layout):
 
 
 def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n, block_k2,
-          steps, max_concurrent_steps, decode, tile_m=None, order="pairs"):
+          steps, max_concurrent_steps, decode, tile_m=None, order="pairs", row_tiles=1):
   """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
   one [64, tile_m] tile of the grouped product: token tile t of x times expert tile_expert[t]'s
   weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
-  tiles past the table's last entry (the tiles in use) do nothing.
+  tiles past the table's last entry (the tiles in use) do nothing. `row_tiles` (the "halves"
+  order): that many consecutive 64-row tiles of y^T a block, each with its own accumulator,
+  all from the one x tile the pipeline brings (x read once for them all).
 
   Tokens are wgmma's N. x's rows in shared memory are swizzled by their width in bytes (up to
   128), and an instruction must take a whole swizzle's worth of K values: 32-token rows (64
@@ -177,7 +179,8 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   wgmma = plgpu.Layout.WGMMA
   row_l = wgmma.reduce(1)  # a [64] vector, one value per row of the A operand
 
-  wi = ni  # the weight's row tile; grouped weights are [E x N/64, ...], expert-major
+  wi = ni  # the weight's row tile (of `row_tiles` tiles); grouped weights are
+  # [E x N/64, ...], expert-major
   if table:
     expert = table[0][ti]
     wi = expert * jax.lax.axis_size("n") + ni
@@ -199,11 +202,12 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   def step_halves(_, x_smem, codes_smem, scales_smem, accs):
     per = CHUNK // per_scale
     for j in range(block_k2 // CHUNK):
-      rows = [plgpu.layout_cast(_scale_row(_load(scales_smem.at[0, j * per + b], row_l), fmt,
-                                           g), row_l) for b in range(per)]
-      a = _decode_asm([_load(codes_smem.at[0, j], wgmma)], rows, fmt, order)
       x_t = plgpu.transpose_ref(x_smem.at[:, pl.ds(j * 2 * CHUNK, 2 * CHUNK)], (1, 0))
-      plgpu.wgmma(accs[0], a, x_t)
+      for r, acc in enumerate(accs):  # each row tile's chunk j against the same x columns
+        rows = [plgpu.layout_cast(_scale_row(_load(scales_smem.at[r, j * per + b], row_l), fmt,
+                                             g), row_l) for b in range(per)]
+        a = _decode_asm([_load(codes_smem.at[r, j], wgmma)], rows, fmt, order)
+        plgpu.wgmma(acc, a, x_t)
     plgpu.wgmma_wait(0)
     return accs
 
@@ -248,14 +252,20 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
         grid=(steps,),
         in_specs=[
             *x_specs,
-            plgpu.BlockSpec((1, chunks, 64, CHUNK), lambda k: (wi, k0 + k, 0, 0)),
-            plgpu.BlockSpec((1, scale_cols, 64), lambda k: (wi, k0 + k, 0)),
+            plgpu.BlockSpec((row_tiles, chunks, 64, CHUNK), lambda k: (wi, k0 + k, 0, 0)),
+            plgpu.BlockSpec((row_tiles, scale_cols, 64), lambda k: (wi, k0 + k, 0)),
         ],
         max_concurrent_steps=max_concurrent_steps,
     )(*x_gmems, codes_gmem, scales_gmem)
     return tuple(acc_ref[...] for acc_ref in accs)
 
   def tile():
+    if row_tiles > 1:  # ("halves": one token group) the row tiles' accumulators
+      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((block_n, width)) for _ in range(row_tiles)])
+      for r, acc in enumerate(accs):
+        _store(acc, out_gmem, si, ni * row_tiles + r, block_n,
+               cols=pl.ds((ti if table else 0) * width, width))
+      return
     accs = pl.run_scoped(acc_scope, *[plgpu.ACC((block_n, width)) for _ in range(groups)])
     for c, acc in enumerate(accs):
       _store(acc, out_gmem, si, ni, block_n, cols=pl.ds((ti if table else c) * width, width))
@@ -352,23 +362,26 @@ def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
                                              "max_concurrent_steps", "decode", "order",
-                                             "out_dtype"))
+                                             "out_dtype", "row_tiles"))
 def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
                                fmt: str, block_k2: int = 128, splits: int = 1,
                                max_concurrent_steps: int = 4, decode: str = "asm",
-                               order: str = "pairs", out_dtype=jnp.float32):
+                               order: str = "pairs", out_dtype=jnp.float32,
+                               row_tiles: int = 1):
   """The grouped form of `fp4_wgmma_partials`: x in 16-token tiles (`xs`: "pairs" (xe_t, xo_t)
   [K/2, 16 x tiles], "halves" (x,) [16 x tiles, K]), per-expert tiled weights (codes
   [E, N/64, K/64, 64, 32] in that `order`, scales [E, N/64, K/block, 64], globals [E]),
   tile_expert [tiles + 1] (each tile's expert, then the tiles in use) -> float32
   [splits, N, 16 x tiles] partials of y^T (`out_dtype` bf16, with one split: y^T rounded once
-  to bf16 in the kernel); the columns of unused tiles are left unwritten."""
+  to bf16 in the kernel); the columns of unused tiles are left unwritten. `row_tiles` ("halves"
+  order, 1 or 2): the 64-row tiles of y^T a block computes from one x tile."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
   _check_out_dtype(out_dtype, splits)
   k2, r = _x_operands(xs, order, decode)
   e, n = codes.shape[0], codes.shape[1] * 64
+  _check_row_tiles(row_tiles, order, codes.shape[1])
   want = (e, n // 64, k2 // (16 if fmt == "mxfp4" else 8), 64)
   if (codes.shape[2:] != (k2 // CHUNK, 64, CHUNK) or scales.shape != want or r % 16
       or tile_expert.shape != (r // 16 + 1,) or k2 % (block_k2 * splits) or block_k2 % CHUNK):
@@ -380,13 +393,14 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
-                           tile_m=16, order=order)
+                           tile_m=16, order=order, row_tiles=row_tiles)
   if order == "halves":
     body = _without_xo(body)
   # the last grid axis is CUDA's x (up to 2^31 blocks), the others y and z (up to 65535): the
   # token tiles go on x when there are more (prefill)
-  grid, names = ((n // 64, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
-      (n // 64, splits, r // 16), ("n", "s", "t"))
+  blocks_n = n // (64 * row_tiles)
+  grid, names = ((blocks_n, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
+      (blocks_n, splits, r // 16), ("n", "s", "t"))
   body.__name__ = "grouped_fp4_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((splits, n, r), out_dtype),
@@ -395,6 +409,13 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(*xs, codes.reshape(-1, *codes.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
     jnp.reshape(global_scale, (e,)).astype(jnp.float32), tile_expert.astype(jnp.int32))
+
+
+def _check_row_tiles(row_tiles: int, order: str, n_tiles: int):
+  if row_tiles not in (1, 2) or row_tiles == 2 and (order != "halves" or n_tiles % 2):
+    raise ValueError(f"row_tiles must be 1, or 2 for weights in the 'halves' order with an even "
+                     f"number of 64-row tiles; got {row_tiles} for the {order!r} order and "
+                     f"{n_tiles} tiles")
 
 
 def _bf16_body(x_gmem, w_gmem, out_gmem, *, block_n, block_k, steps, max_concurrent_steps):
@@ -574,17 +595,18 @@ SMEM_BYTES = 227 * 1024  # shared memory a block may take on the H200
 
 
 def pipeline(m: int, k2: int, fmt: str, block_k2: int | None = None,
-             max_concurrent_steps: int | None = None) -> tuple[int, int]:
+             max_concurrent_steps: int | None = None, row_tiles: int = 1) -> tuple[int, int]:
   """(block_k2, steps in flight) for M token columns and K/2 packed columns: what is given, the
-  rest chosen so that the pipeline's shared memory (x's even and odd columns, codes, scales),
-  with 4 KiB and a [64, 32] float32 tile to spare, fits: the largest K step of 128, 64 or 32
-  packed columns dividing K/2 (64 and up past 32 tokens) that keeps at least three steps in
-  flight, at most four. The output tile is staged after the pipeline's buffers are released
-  (scoped shared memory is a stack), so it does not add to them."""
+  rest chosen so that the pipeline's shared memory (x's even and odd columns, codes, scales;
+  `row_tiles` row tiles of them), with 4 KiB and a [64, 32] float32 tile to spare, fits: the
+  largest K step of 128, 64 or 32 packed columns dividing K/2 (64 and up past 32 tokens) that
+  keeps at least three steps in flight, at most four. The output tile is staged after the
+  pipeline's buffers are released (scoped shared memory is a stack), so it does not add to
+  them."""
   per_scale = 16 if fmt == "mxfp4" else 8
 
   def steps(bk):
-    stage = 2 * bk * m * 2 + bk * ROWS + bk // per_scale * ROWS
+    stage = 2 * bk * m * 2 + row_tiles * (bk * ROWS + bk // per_scale * ROWS)
     return min(max_concurrent_steps or 4,
                (SMEM_BYTES - ROWS * min(m, TOKEN_GROUP) * 4 - 4096) // stage)
 
@@ -610,18 +632,21 @@ def _check_tiled(w, grouped: bool, name: str):
 def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
                        block_k2: int | None = None, splits: int | None = None,
                        max_concurrent_steps: int | None = None,
-                       decode: str = "asm") -> jax.Array:
+                       decode: str = "asm", row_tiles: int = 1) -> jax.Array:
   """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert) for
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
   kernel (compiled Hopper only): each group padded to 16-token tiles, each tile against its
   expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero. A weight in the
-  "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are."""
+  "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are; `row_tiles` 2
+  computes two 64-row tiles of the output a block from one x tile (that order only)."""
   _check_tiled(w, True, "grouped_fp4_matmul")
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
     raise ValueError(f"grouped_fp4_matmul takes x [T, {k}] and group_sizes [{e}] for this "
                      f"weight, got x {x.shape} and group_sizes {group_sizes.shape}")
-  block_k2, stages = pipeline(16, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps)
+  _check_row_tiles(row_tiles, w.order, n // ROWS)
+  block_k2, stages = pipeline(16, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps,
+                              row_tiles)
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
   src, tile_expert, dest = tile_rows(group_sizes, x.shape[0], 16)
@@ -629,12 +654,12 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
     xs = (_tiled_rows(x, src),)
   else:
     xs = _even_odd_columns(x, src)
-  splits = splits or default_splits(src.shape[0] // 16, n // ROWS, (k // 2) // block_k2,
-                                    programs=2 * 132, max_splits=8)
+  splits = splits or default_splits(src.shape[0] // 16, n // (ROWS * row_tiles),
+                                    (k // 2) // block_k2, programs=2 * 132, max_splits=8)
   partials = grouped_fp4_wgmma_partials(
       xs, w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt, block_k2=block_k2,
       splits=splits, max_concurrent_steps=stages, decode=decode, order=w.order,
-      out_dtype=_out_dtype(splits))
+      out_dtype=_out_dtype(splits), row_tiles=row_tiles)
   return _rows_back(partials, dest)  # likewise out: y^T's columns gathered, then transposed
 
 

@@ -322,7 +322,10 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
   w = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 128, fmt), order))
   x = jax.ShapeDtypeStruct((20, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-  for kw in ({}, dict(block_k2=64, splits=2)):  # one split (bf16 y^T), two (float32 partials)
+  kws = [{}, dict(block_k2=64, splits=2)]  # one split (bf16 y^T), two (float32 partials)
+  if order == "halves":  # and two row tiles a block
+    kws += [dict(row_tiles=2), dict(row_tiles=2, block_k2=64, splits=2)]
+  for kw in kws:
     f = jax.jit(lambda x, w, s, kw=kw: mosaic.grouped_fp4_matmul(x, w, s, **kw))
     assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).mlir_module()
   # two 16-token tiles: x's rows ("halves"), or its even and odd K columns transposed ("pairs")
@@ -339,6 +342,9 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
     mosaic.grouped_fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, table,
                                       fmt=w.kernel_fmt, block_k2=64, splits=2, order=order,
                                       out_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="row_tiles must be 1, or 2 for weights in the 'halves'"):
+    mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((4,), jnp.int32),
+                              row_tiles=2 if order == "pairs" else 3)
   with pytest.raises(ValueError, match="group_sizes"):
     mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((3,), jnp.int32))
   with pytest.raises(ValueError, match="per-expert"):
@@ -374,16 +380,19 @@ def test_dispatch_takes_tiled_weights(fmt):
 @pytest.mark.parametrize("sizes,k,n", [((5, 0, 17, 1), 2048, 768), ((40, 3, 0, 9), 768, 2048)])
 def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   """Ragged and empty groups, rows past the groups (zeros), against XLA's dequantize-ragged_dot;
-  with the default splits (4 and 1 at these sizes) and one split (y^T written in bf16)."""
+  with the default splits (4 and 1 at these sizes) and one split (y^T written in bf16), and
+  ("halves") two row tiles a block."""
   e = len(sizes)
   w = grouped_weight(k + n, e, k, n, fmt)
   t = sum(sizes) + 3
   x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   want = np.asarray(reference.grouped_fp4_matmul(x, w, gs), np.float32)
-  for splits in (None, 1):
-    got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, splits=splits),
-                     np.float32)
+  kws = [dict(splits=None), dict(splits=1)]
+  if order == "halves":  # two row tiles a block
+    kws += [dict(splits=None, row_tiles=2), dict(splits=1, row_tiles=2)]
+  for kw in kws:
+    got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, **kw), np.float32)
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got[sum(sizes):], 0)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
@@ -461,8 +470,10 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
   x = jax.random.normal(jax.random.PRNGKey(9), (sum(sizes) + 3, 256), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   for splits in (2, 1):  # float32 partials summed; one split's y^T in bf16 from the kernel
-    check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=splits),
-          reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
+    for row_tiles in (1, 2) if order == "halves" else (1,):
+      check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=splits,
+                                      row_tiles=row_tiles),
+            reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
 
 
 def test_grouped_bf16_kernel_lowers_for_cuda_and_names_what_is_wrong():
