@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from experiments import ablation, bench_compile, bench_rollout, figures
+from tests.test_main import TIMING
 from tests.test_results import NOTEBOOK, assert_summary_matches_curves, execute_notebook
 
 pytestmark = pytest.mark.slow  # minutes: short RL runs, a probe, an interpreted benchmark
@@ -51,6 +52,22 @@ def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path, m
   assert "| reasoning | bf16 |" in open(os.path.join(out, "table.md")).read()
   artists = execute_notebook(NOTEBOOK, tmp_path / "notebook_figures", out=fresh)
   assert len(artists) == len(figures.FIGURES) and all(n > 0 for f in artists for n in f)
+
+
+def test_ablation_jobs_trains_in_processes_what_it_would_train_in_its_own(tmp_path):
+  """--jobs=2: each run trained by `python -m trace_jax.main` in a process of its own writes the
+  metrics the same run writes trained in the ablation's process (no timing keys)."""
+  tfds = f"--data_dir={tmp_path / 'tfds'}"
+  for jobs, out in ((2, "jobs"), (1, "alone")):
+    ablation.main(["--smoke", f"--out={tmp_path / out}", f"--figures={tmp_path / out / 'f'}",
+                   "--families=reasoning", "--modes=bf16,trace", f"--jobs={jobs}", tfds,
+                   "--compile_cache=none"])
+  assert os.path.exists(tmp_path / "jobs" / "reasoning" / "trace" / "seed0" / "train.log")
+  for mode in ("bf16", "trace"):
+    records = [[{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)}
+                for line in open(tmp_path / out / "reasoning" / mode / "seed0" / "metrics.jsonl")]
+               for out in ("jobs", "alone")]
+    assert records[0] == records[1]
 
 
 def test_bench_rollout_runs_its_variants():
