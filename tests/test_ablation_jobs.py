@@ -4,8 +4,6 @@ import json
 import os
 import sys
 
-import pytest
-
 from experiments import ablation
 
 # a stand-in for a training run: notes when it ran and what it was given, then exits with argv[2]
@@ -45,10 +43,3 @@ def test_train_command_is_the_main_entry_point_on_the_run_config(tmp_path):
   assert command[3].endswith(os.path.join("configs", "ablation.py")
                              + ":family=reasoning,mode=trace,seed=1,scale=gpu,smoke")
   assert command[4:] == [f"--workdir={tmp_path / 'w'}", "--noprogress", "--config.data_dir=/d"]
-
-
-def test_jobs_must_be_positive(capsys):
-  with pytest.raises(SystemExit) as e:
-    ablation.main(["--jobs=0", "--families=reasoning"])
-  assert e.value.code == 2
-  assert "--jobs=0: at least 1" in capsys.readouterr().err

@@ -110,6 +110,8 @@ def test_bad_input_of_the_other_entry_points_is_one_line(tmp_path):
       ((*ABLATION, "--seeds=one"), ["--seeds", "'one'"]),
       ((*ABLATION, "--nope"), ["--nope"]),
       ((*ABLATION, f"--out={a_file}"), [str(a_file), "not a directory"]),
+      ((*ABLATION, "--jobs=0"), ["--jobs=0", "at least 1"]),
+      (("experiments/profile_kernels.py", "--kernels=gate,up"), ["--kernels", "attn"]),
   ])
 
 
