@@ -191,8 +191,8 @@ MOSAIC_GROUPED_BF16 += [dict(MOSAIC_GROUPED_BF16[0], transpose_rhs=True)]
 # the project's Mosaic grouped FP4 kernel (`mosaic.grouped_fp4_matmul`, 16-token tiles)
 MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
                       for bk, st in [(128, 4), (64, 8), (192, 2)]] + [
-    dict(block_k2=bk, max_concurrent_steps=st, row_tiles=2)  # "halves" weights only
-    for bk, st in [(128, 4), (128, 2), (64, 4)]]
+    dict(block_k2=bk, max_concurrent_steps=st, row_tiles=rt)  # "halves" weights only
+    for rt, bk, st in [(2, 128, 4), (2, 128, 2), (2, 64, 4), (4, 128, 2), (4, 64, 3)]]
 # the project's Mosaic grouped bf16 kernel (`mosaic.grouped_bf16_matmul`, 16-token tiles, x and
 # the weight both read transposed from shared memory)
 MOSAIC_GROUPED_BF16_PROJECT = [dict(block_k=bk, max_concurrent_steps=st)

@@ -374,7 +374,7 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
   tile_expert [tiles + 1] (each tile's expert, then the tiles in use) -> float32
   [splits, N, 16 x tiles] partials of y^T (`out_dtype` bf16, with one split: y^T rounded once
   to bf16 in the kernel); the columns of unused tiles are left unwritten. `row_tiles` ("halves"
-  order, 1 or 2): the 64-row tiles of y^T a block computes from one x tile."""
+  order: 1, 2 or 4): the 64-row tiles of y^T a block computes from one x tile."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
@@ -412,9 +412,9 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
 
 
 def _check_row_tiles(row_tiles: int, order: str, n_tiles: int):
-  if row_tiles not in (1, 2) or row_tiles == 2 and (order != "halves" or n_tiles % 2):
-    raise ValueError(f"row_tiles must be 1, or 2 for weights in the 'halves' order with an even "
-                     f"number of 64-row tiles; got {row_tiles} for the {order!r} order and "
+  if row_tiles != 1 and (row_tiles not in (2, 4) or order != "halves" or n_tiles % row_tiles):
+    raise ValueError(f"row_tiles must be 1, or 2 or 4 dividing the 64-row tiles of a weight in "
+                     f"the 'halves' order; got {row_tiles} for the {order!r} order and "
                      f"{n_tiles} tiles")
 
 
@@ -637,8 +637,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
   kernel (compiled Hopper only): each group padded to 16-token tiles, each tile against its
   expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero. A weight in the
-  "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are; `row_tiles` 2
-  computes two 64-row tiles of the output a block from one x tile (that order only)."""
+  "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are; `row_tiles` 2 or 4
+  computes that many 64-row tiles of the output a block from one x tile (that order only)."""
   _check_tiled(w, True, "grouped_fp4_matmul")
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):

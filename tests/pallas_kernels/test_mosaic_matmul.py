@@ -325,6 +325,9 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
   kws = [{}, dict(block_k2=64, splits=2)]  # one split (bf16 y^T), two (float32 partials)
   if order == "halves":  # and two row tiles a block
     kws += [dict(row_tiles=2), dict(row_tiles=2, block_k2=64, splits=2)]
+    w4 = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 256, fmt), order))
+    f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s, row_tiles=4))
+    assert jax.export.export(f, platforms=["cuda"])(x, w4, sizes).out_avals[0].shape == (20, 256)
   for kw in kws:
     f = jax.jit(lambda x, w, s, kw=kw: mosaic.grouped_fp4_matmul(x, w, s, **kw))
     assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).mlir_module()
@@ -342,7 +345,7 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
     mosaic.grouped_fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, table,
                                       fmt=w.kernel_fmt, block_k2=64, splits=2, order=order,
                                       out_dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="row_tiles must be 1, or 2 for weights in the 'halves'"):
+  with pytest.raises(ValueError, match="row_tiles must be 1, or 2 or 4 dividing the 64-row"):
     mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((4,), jnp.int32),
                               row_tiles=2 if order == "pairs" else 3)
   with pytest.raises(ValueError, match="group_sizes"):
@@ -381,7 +384,7 @@ def test_dispatch_takes_tiled_weights(fmt):
 def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   """Ragged and empty groups, rows past the groups (zeros), against XLA's dequantize-ragged_dot;
   with the default splits (4 and 1 at these sizes) and one split (y^T written in bf16), and
-  ("halves") two row tiles a block."""
+  ("halves") two and four row tiles a block."""
   e = len(sizes)
   w = grouped_weight(k + n, e, k, n, fmt)
   t = sum(sizes) + 3
@@ -389,8 +392,8 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   gs = jnp.asarray(sizes, jnp.int32)
   want = np.asarray(reference.grouped_fp4_matmul(x, w, gs), np.float32)
   kws = [dict(splits=None), dict(splits=1)]
-  if order == "halves":  # two row tiles a block
-    kws += [dict(splits=None, row_tiles=2), dict(splits=1, row_tiles=2)]
+  if order == "halves":  # two and four row tiles a block
+    kws += [dict(splits=None, row_tiles=2), dict(splits=1, row_tiles=2), dict(row_tiles=4)]
   for kw in kws:
     got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, **kw), np.float32)
     assert not np.isnan(got).any()
