@@ -22,7 +22,8 @@ so the runs after the first of a family and mode load theirs instead of compilin
 `--jobs=N` trains N runs at once, each in a process of its own (`python -m trace_jax.main`,
 its output in <run dir>/train.log): on one GPU the processes share it, each with 1/N of its
 memory, and one compiles or steps on the host while another runs on the device; the results
-are then read as above.
+are then read as above. A SIGTERM or Ctrl-C stops the running ones after their step in flight,
+with a checkpoint, and rerunning the command resumes them.
 
 Writes <out>/summary.json (the table's numbers, each run's config and command, the commit and
 package versions), <out>/curves.json (experiments/curves.py: the per-run curves, small enough
@@ -39,6 +40,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -56,6 +58,7 @@ from trace_jax.models import QuantRecipe, pack_weights  # noqa: E402
 from trace_jax.rl.checkpoint import Checkpointer  # noqa: E402
 from trace_jax.rl.episodes import greedy_accuracy  # noqa: E402
 from trace_jax.rl.loop import load_run, summarize, train  # noqa: E402
+from trace_jax.rl.preemption import Interrupted, StopBetweenSteps  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine  # noqa: E402
 from trace_jax.rl.trainer import MODES  # noqa: E402
 from trace_jax.rl.validate import FAMILIES, check_sandbox, check_workdir, validate  # noqa: E402
@@ -208,37 +211,81 @@ def train_command(family: str, mode: str, seed: int, workdir: str, smoke: bool =
           + ([f"--config.data_dir={data_dir}"] if data_dir else []))
 
 
+# runs a command (argv[2:]) tied to the process argv[1] (Linux): it gets a SIGTERM when that
+# process dies (PR_SET_PDEATHSIG, kept across the exec), so that no run trains on, unwatched,
+# after the ablation was killed; elsewhere the ablation's own signals still reach its runs
+_TIED = """
+import ctypes, os, signal, sys
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit(128 + signal.SIGTERM)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 def train_in_processes(runs: list[tuple[str, list[str], str]], jobs: int,
                        cache: str | None = None, poll_s: float = 1.0) -> list[str]:
   """Runs (name, command, workdir) at most `jobs` at a time, each command in a process of its
   own with its output in <workdir>/train.log, in the order given -> the names of those that
   failed. Each process gets 1/jobs of the GPU's memory (unless XLA_PYTHON_CLIENT_MEM_FRACTION
-  is set) and `cache` as JAX's persistent compilation cache."""
+  is set) and `cache` as JAX's persistent compilation cache.
+
+  A SIGTERM or SIGINT (Ctrl-C) starts no more runs and passes one SIGTERM to each running one,
+  which stops after its step in flight with a checkpoint; once they have, `Interrupted` is
+  raised (a second signal passes a second SIGTERM: they stop at once). The runs are in sessions
+  of their own, so a terminal's Ctrl-C reaches them only this way, once."""
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / jobs:.3f}")
   if cache:
     env["JAX_COMPILATION_CACHE_DIR"] = cache
-  queue, running, failed = list(runs), {}, []
-  while queue or running:
-    while queue and len(running) < jobs:
-      name, command, workdir = queue.pop(0)
-      os.makedirs(workdir, exist_ok=True)
-      log = open(os.path.join(workdir, "train.log"), "a")
-      proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-      running[proc] = (name, log, time.time())
-      print(f"== {name} -> {workdir} (process {proc.pid}; {len(queue)} waiting)", flush=True)
-    time.sleep(poll_s)
+  queue, running, failed, passed_on = list(runs), {}, [], False
+
+  def reap():
     for proc in [p for p in running if p.poll() is not None]:
       name, log, started = running.pop(proc)
       log.close()
       took = (time.time() - started) / 60
-      if proc.returncode:
+      if passed_on:
+        print(f"== {name}: stopped after {took:.1f} min (exit status {proc.returncode})",
+              flush=True)
+      elif proc.returncode:
         failed.append(name)
         print(f"== {name}: failed (exit status {proc.returncode}) after {took:.1f} min; see "
               f"{log.name}", flush=True)
       else:
         print(f"== {name}: trained in {took:.1f} min", flush=True)
+
+  with StopBetweenSteps() as stop:
+    try:
+      while queue and stop.signum is None or running:
+        while queue and len(running) < jobs and stop.signum is None:
+          name, command, workdir = queue.pop(0)
+          os.makedirs(workdir, exist_ok=True)
+          log = open(os.path.join(workdir, "train.log"), "a")
+          proc = subprocess.Popen([sys.executable, "-c", _TIED, str(os.getpid()), *command],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+          running[proc] = (name, log, time.time())
+          print(f"== {name} -> {workdir} (process {proc.pid}; {len(queue)} waiting)",
+                flush=True)
+        if stop.signum is not None and not passed_on:
+          passed_on = True
+          print(f"== {signal.Signals(stop.signum).name}: stopping the {len(running)} running "
+                f"after their step in flight", flush=True)
+          for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        time.sleep(poll_s)
+        reap()
+    except Interrupted:  # a second signal: the runs stop at once
+      for proc in running:
+        proc.send_signal(signal.SIGTERM)
+      for proc in running:
+        proc.wait()
+      raise
+  if stop.signum is not None:
+    raise Interrupted(stop.signum)
   return failed
 
 
@@ -315,9 +362,14 @@ def main(argv=None):
   summary["provenance"] = provenance()
   failed = []
   if args.jobs > 1:
-    failed = train_in_processes(
-        _to_train(summary, families, modes, seeds, args), args.jobs,
-        None if cache == "none" else os.path.abspath(cache))
+    try:
+      failed = train_in_processes(
+          _to_train(summary, families, modes, seeds, args), args.jobs,
+          None if cache == "none" else os.path.abspath(cache))
+    except Interrupted as e:  # each run checkpointed where it stopped
+      print(f"stopped by {signal.Signals(e.signum).name}; rerunning the same command resumes "
+            f"every run", file=sys.stderr, flush=True)
+      sys.exit(128 + e.signum)
   for family in families:
     fam = summary.setdefault(family, {"runs": {}, "final_eval_accuracy": {}})
     fam_runs = runs.setdefault(family, {})

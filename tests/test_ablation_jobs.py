@@ -2,7 +2,12 @@
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
+
+import pytest
 
 from experiments import ablation
 
@@ -43,3 +48,62 @@ def test_train_command_is_the_main_entry_point_on_the_run_config(tmp_path):
   assert command[3].endswith(os.path.join("configs", "ablation.py")
                              + ":family=reasoning,mode=trace,seed=1,scale=gpu,smoke")
   assert command[4:] == [f"--workdir={tmp_path / 'w'}", "--noprogress", "--config.data_dir=/d"]
+
+
+# a run that trains until a SIGTERM, then notes it and exits as trace_jax.main does
+LONG_RUN = """
+import os, signal, sys, time
+d = sys.argv[1]
+def stop(signum, frame):
+    open(os.path.join(d, "stopped"), "w").write(str(signum))
+    sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(d, "started"), "w").close()
+time.sleep(120)
+"""
+
+POOL = """
+import sys
+from experiments import ablation
+d = sys.argv[1]
+runs = [(f"run{i}", [sys.executable, "-c", sys.argv[2], f"{d}/run{i}"], f"{d}/run{i}")
+        for i in range(3)]
+try:
+    ablation.train_in_processes(runs, 2, poll_s=0.02)
+except ablation.Interrupted as e:
+    sys.exit(128 + e.signum)
+"""
+
+
+def _pool_with_two_started(tmp_path):
+  pool = subprocess.Popen([sys.executable, "-c", POOL, str(tmp_path), LONG_RUN], cwd=ablation.ROOT,
+                          env=dict(os.environ, PYTHONPATH=ablation.ROOT))
+  deadline = time.time() + 60
+  while not all((tmp_path / f"run{i}" / "started").exists() for i in range(2)):
+    assert time.time() < deadline and pool.poll() is None, "the runs did not start"
+    time.sleep(0.05)
+  return pool
+
+
+def _stopped_by_sigterm(tmp_path, i, within_s=10.0):
+  deadline = time.time() + within_s
+  while not (tmp_path / f"run{i}" / "stopped").exists() and time.time() < deadline:
+    time.sleep(0.05)
+  return (tmp_path / f"run{i}" / "stopped").read_text() == str(int(signal.SIGTERM))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_ablation_stops_its_runs_once_and_starts_no_more(tmp_path, signum):
+  pool = _pool_with_two_started(tmp_path)
+  pool.send_signal(signum)
+  assert pool.wait(timeout=30) == 128 + signum
+  assert _stopped_by_sigterm(tmp_path, 0) and _stopped_by_sigterm(tmp_path, 1)
+  assert not (tmp_path / "run2").exists()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_runs_stop_when_the_ablation_is_killed(tmp_path):
+  pool = _pool_with_two_started(tmp_path)
+  pool.kill()  # SIGKILL: nothing of the ablation's own runs
+  pool.wait(timeout=30)
+  assert _stopped_by_sigterm(tmp_path, 0) and _stopped_by_sigterm(tmp_path, 1)
