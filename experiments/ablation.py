@@ -380,8 +380,7 @@ def main(argv=None):
         c.data_dir = args.data_dir
         workdir = os.path.join(args.out, family, mode, f"seed{seed}")
         key = f"{mode}/seed{seed}"
-        recorded = fam["runs"].get(key, {}).get("config_arg") == config_arg(
-            family, mode, seed, args.smoke, args.scale)
+        recorded = _recorded(summary, family, mode, seed, args)
         if f"{family}/{key}" in failed:
           continue
         if not finished(workdir, c):
@@ -414,6 +413,12 @@ def main(argv=None):
              f"command resumes them)")
 
 
+def _recorded(summary: dict, family: str, mode: str, seed: int, args) -> bool:
+  """Whether the results hold this run, of this invocation's config."""
+  run = summary.get(family, {}).get("runs", {}).get(f"{mode}/seed{seed}", {})
+  return run.get("config_arg") == config_arg(family, mode, seed, args.smoke, args.scale)
+
+
 def _to_train(summary: dict, families, modes, seeds, args) -> list[tuple[str, list[str], str]]:
   """The runs this invocation trains, as `train_in_processes` takes them: a seed's families
   and modes before the next seed's, so that the first processes compile different programs
@@ -424,9 +429,8 @@ def _to_train(summary: dict, families, modes, seeds, args) -> list[tuple[str, li
       for mode in modes:
         c = run_config(family, mode, seed, args.smoke, args.scale)
         workdir = os.path.join(args.out, family, mode, f"seed{seed}")
-        kept = summary.get(family, {}).get("runs", {}).get(f"{mode}/seed{seed}", {}).get(
-            "config_arg") == config_arg(family, mode, seed, args.smoke, args.scale)
-        if finished(workdir, c) or kept and not os.path.exists(workdir):
+        kept = _recorded(summary, family, mode, seed, args) and not os.path.exists(workdir)
+        if kept or finished(workdir, c):
           continue
         runs.append((f"{family}/{mode}/seed{seed}",
                      train_command(family, mode, seed, workdir, args.smoke, args.scale,

@@ -67,7 +67,7 @@ def main(argv=None):
     cache = [quantize(jnp.asarray(rng.standard_normal((m, SLOTS, KV_HEADS, HEAD_DIM),
                                                       np.float32)), MXFP4) for _ in range(2)]
     mask = jnp.ones((m, SLOTS), bool)
-    f = jax.jit(lambda q, k, v, mask: dispatch._attention(q, k, v, mask))
+    f = jax.jit(dispatch.KernelOps().attention)
     for _ in range(2):
       f(q, *cache, mask).block_until_ready()
     print("attn ran", flush=True)

@@ -259,16 +259,13 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
     )(*x_gmems, codes_gmem, scales_gmem)
     return tuple(acc_ref[...] for acc_ref in accs)
 
-  def tile():
-    if row_tiles > 1:  # ("halves": one token group) the row tiles' accumulators
-      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((block_n, width)) for _ in range(row_tiles)])
-      for r, acc in enumerate(accs):
-        _store(acc, out_gmem, si, ni * row_tiles + r, block_n,
-               cols=pl.ds((ti if table else 0) * width, width))
-      return
-    accs = pl.run_scoped(acc_scope, *[plgpu.ACC((block_n, width)) for _ in range(groups)])
-    for c, acc in enumerate(accs):
-      _store(acc, out_gmem, si, ni, block_n, cols=pl.ds((ti if table else c) * width, width))
+  def tile():  # an accumulator a row tile and token group (row_tiles > 1: one group)
+    accs = pl.run_scoped(acc_scope,
+                         *[plgpu.ACC((block_n, width)) for _ in range(row_tiles * groups)])
+    for i, acc in enumerate(accs):
+      r, c = divmod(i, groups)
+      _store(acc, out_gmem, si, ni * row_tiles + r, block_n,
+             cols=pl.ds((ti if table else c) * width, width))
 
   if table:
     pl.when(ti < table[0][table[0].shape[0] - 1])(tile)
