@@ -11,7 +11,10 @@ shapes only: nothing is compiled or run. Counted are the step's primitives outsi
 each call site once (a jitted function called four times counts four times; the decode loop's
 body once): the data movement that becomes XLA fusions around the kernels (transposes, gathers,
 slices, pads, concatenations, reductions, optimization barriers, type conversions), and the
-kernel calls. These are counts before XLA fuses them, not times: a profile on the GPU
+kernel calls; and the bytes each kind of primitive writes (its outputs, an update in place its
+update: an upper bound on what XLA's fusions of them write, since a fused producer writes
+nothing). These are counts before
+XLA fuses them, not times: a profile on the GPU
 (`bench_rollout --profile --hlo`) says what they cost. `--where` also prints each counted
 primitive's source line. Writes the counts as JSON with `--out`.
 """
@@ -22,6 +25,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import os
 import sys
 from unittest import mock
@@ -81,10 +85,21 @@ def _subjaxprs(eqn):
         yield v.jaxpr
 
 
-def census(jaxpr, counts=None, where=None):
+def _written_bytes(eqn) -> int:
+  """What a primitive writes: its outputs; an update in place (dynamic_update_slice) its
+  update only; an optimization barrier (an identity) nothing."""
+  if eqn.primitive.name == "optimization_barrier":
+    return 0
+  outs = eqn.invars[1:2] if eqn.primitive.name == "dynamic_update_slice" else eqn.outvars
+  return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in outs
+             if hasattr(v.aval, "dtype"))
+
+
+def census(jaxpr, counts=None, where=None, nbytes=None):
   """Primitive counts of `jaxpr` and the jaxprs inside it, each call site once; a kernel
   (`pallas_call` or Mosaic GPU's) counts as "kernel: NAME" and is not entered. `where`, a
-  Counter, also gets (primitive, source line) pairs of MOVEMENT's primitives."""
+  Counter, also gets (primitive, source line) pairs of MOVEMENT's primitives; `nbytes`, a
+  Counter, the bytes each of MOVEMENT's primitives writes (its outputs, before fusion)."""
   from jax._src import source_info_util
   counts = collections.Counter() if counts is None else counts
   for e in jaxpr.eqns:
@@ -95,13 +110,16 @@ def census(jaxpr, counts=None, where=None):
     subs = list(_subjaxprs(e))
     if subs:
       for s in subs:
-        census(s, counts, where)
+        census(s, counts, where, nbytes)
       continue
     counts[name] += 1
+    if nbytes is not None and name in MOVEMENT:
+      nbytes[name] += _written_bytes(e)
     if where is not None and name in MOVEMENT:
       frames = source_info_util.user_frames(e.source_info.traceback) if (
           e.source_info.traceback) else []
-      line = next((f"{os.path.relpath(f.file_name)}:{f.start_line}" for f in frames), "?")
+      line = next((f"{os.path.relpath(f.file_name)}:{f.start_line} ({f.function_name})"
+                   for f in frames), "?")
       where[name, line] += 1
   return counts
 
@@ -131,9 +149,11 @@ def run(variants, layers: int = 2, batch: int = 64, context: int = 4080,
       state = {**state, "limit": jax.ShapeDtypeStruct((), jnp.int32)}
       jaxpr = jax.make_jaxpr(engine._decode)(weights, state).jaxpr  # the decode loop
     lines = collections.Counter() if where else None
-    counts = census(jaxpr, where=lines)
+    nbytes = collections.Counter()
+    counts = census(jaxpr, where=lines, nbytes=nbytes)
     row = {"variant": variant,
            "movement": {k: counts[k] for k in MOVEMENT},
+           "movement_mb": {k: round(nbytes[k] / 1e6, 2) for k in MOVEMENT},
            "kernels": {k[len("kernel: "):]: v for k, v in sorted(counts.items())
                        if k.startswith("kernel: ")},
            "primitives": sum(v for k, v in counts.items() if not k.startswith("kernel: "))}
@@ -145,6 +165,7 @@ def run(variants, layers: int = 2, batch: int = 64, context: int = 4080,
 
 
 def table(result: dict) -> str:
+  """Counts, then the MB each kind writes a step where the run has them (before fusion)."""
   cols = [c for c in MOVEMENT if any(r["movement"][c] for r in result["rows"])]
   head = ["variant", *cols, "kernel calls", "all primitives"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -152,6 +173,14 @@ def table(result: dict) -> str:
     lines.append("| " + " | ".join([r["variant"], *(str(r["movement"][c]) for c in cols),
                                     str(sum(r["kernels"].values())), str(r["primitives"])])
                  + " |")
+  rows = [r for r in result["rows"] if "movement_mb" in r]
+  if rows:
+    head = ["variant (MB written a step)", *cols, "all"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+      mb = r["movement_mb"]
+      lines.append("| " + " | ".join([r["variant"], *(f"{mb[c]:.1f}" for c in cols),
+                                      f"{sum(mb.values()):.1f}"]) + " |")
   return "\n".join(lines)
 
 

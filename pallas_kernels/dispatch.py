@@ -154,13 +154,15 @@ def _linear(x: jax.Array, w) -> jax.Array | None:
   return matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles)
 
 
-def _experts(x_MxD: jax.Array, w, group_sizes: jax.Array) -> jax.Array | None:
-  """Rows sorted by expert @ their expert's w [E, K, N] by a kernel, or None."""
+def _experts(x_RxD: jax.Array, w, rows) -> jax.Array | None:
+  """x's rows through their experts' w [E, K, N] (`rows`: the model's `ExpertRows`, whose
+  gathers the kernel's wrapper composes with its own) by a kernel, or None."""
   tiles = _tiles(w)
   if tiles is None:
     return None
   matmul = grouped_bf16_matmul if isinstance(w, jax.Array) else grouped_fp4_matmul
-  return matmul(x_MxD, w, group_sizes, implementation="pallas", interpret=_interpret(), **tiles)
+  return matmul(x_RxD, w, rows.group_sizes, rows.src, rows.back, implementation="pallas",
+                interpret=_interpret(), **tiles)
 
 
 def _quantize(x: jax.Array, fmt: Format) -> tuple[QArray, Record] | None:
@@ -246,11 +248,11 @@ def _w4a4_linear(x, w: w4a4_layout.TiledW4, xq) -> jax.Array | None:
   return matmul(_rows(xq), w).reshape(*x.shape[:-1], w.shape[-1])
 
 
-def _w4a4_experts(x_MxD, w: w4a4_layout.TiledW4, group_sizes, xq) -> jax.Array | None:
+def _w4a4_experts(x_RxD, w: w4a4_layout.TiledW4, rows, xq) -> jax.Array | None:
   if not _takes_w4a4(xq):
     return None
   matmul = w4a4.emulated_grouped_matmul if _interpret() else w4a4.grouped_w4a4_matmul
-  return matmul(_rows(xq), w, group_sizes)
+  return matmul(_rows(xq), w, rows.group_sizes, rows_in=rows.src, rows_out=rows.back)
 
 
 class KernelOps(XlaOps):
@@ -292,10 +294,10 @@ class KernelOps(XlaOps):
       return _w4a4_linear(x, w, xq)
     return _linear(x, w)
 
-  def experts(self, x_MxD, w, group_sizes, xq=None):
+  def experts(self, x_RxD, w, rows, xq=None):
     if isinstance(w, w4a4_layout.TiledW4):
-      return _w4a4_experts(x_MxD, w, group_sizes, xq)
-    return _experts(x_MxD, w, group_sizes)
+      return _w4a4_experts(x_RxD, w, rows, xq)
+    return _experts(x_RxD, w, rows)
 
   def activation_stats(self, xq) -> dict:
     if not (self.w4a4 and _takes_w4a4(xq)):

@@ -18,13 +18,25 @@ def default_splits(m_tiles: int, n_tiles: int, k_steps: int, programs: int = 4 *
   return splits
 
 
-def tile_rows(group_sizes, t: int, block_m: int):
+def sorted_rows(x, rows_in=None) -> int:
+  """How many rows a grouped matmul sorts by expert: x's, or rows_in's where given."""
+  return x.shape[0] if rows_in is None else rows_in.shape[0]
+
+
+def tile_rows(group_sizes, t: int, block_m: int, rows_in=None, rows_out=None,
+              x_rows: int | None = None):
   """Where T rows sorted by expert go when each group is padded to whole block_m-row tiles (at
   most ceil(T / block_m) + E tiles, a static bound):
   (src [tiles x block_m]: each padded row's source row, T (out of range) where it holds none;
   tile_expert [tiles + 1]: each tile's expert, then the number of tiles in use;
   dest [T]: each row's place among the padded rows, out of range past sum(group_sizes), so that
-  reading an output back with mode="fill" gives those rows zeros)."""
+  reading an output back with mode="fill" gives those rows zeros).
+
+  A grouped matmul whose sorted rows are a gather of its input, and whose output is a gather of
+  the sorted rows (the MoE dispatch, `api.grouped_fp4_matmul`'s rows_in and rows_out), composes the two
+  into its own: rows_in [T] (the row of x, of x_rows, each sorted row is) makes src index x
+  directly (x_rows where none); rows_out [S] (the sorted row each output row takes) makes dest
+  [S] per output row. The sorted rows are then never written out."""
   e = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
   tiles = -(-sizes // block_m)
@@ -45,6 +57,10 @@ def tile_rows(group_sizes, t: int, block_m: int):
   offset = slot - (tile_end - tiles)[slot_expert] * block_m
   used = (offset < sizes[slot_expert]) & (slot // block_m < tile_end[-1])
   src = jnp.where(used, (row_end - sizes)[slot_expert] + offset, t)
+  if rows_in is not None:
+    src = jnp.where(used, rows_in.astype(jnp.int32)[jnp.minimum(src, t - 1)], x_rows)
+  if rows_out is not None:
+    dest = dest[rows_out]
   # the table's last entry: the tiles in use; the kernels skip the rest (zeros). The barrier
   # makes XLA compute the three index arrays once, in fusions of their own: fused into the
   # gathers that read them, the arithmetic above (T x E compares among it) ran again for every

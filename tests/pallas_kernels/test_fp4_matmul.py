@@ -10,6 +10,7 @@ from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_mat
 from pallas_kernels.fp4_matmul import reference
 from pallas_kernels.fp4_matmul.kernel import E2M1_ASM, E2M1_NV_ASM, block_scale, decode_nibbles
 from tests.pallas_kernels import ptx_emu
+from tests.pallas_kernels.routes import routed_rows
 from trace_jax.models import layers as L
 from trace_jax.quant import MXFP4, NVFP4, NVFP4_TENSOR, dequantize, quantize
 from trace_jax.quant.codecs import E2M1
@@ -140,6 +141,37 @@ def test_grouped_bf16_kernel_in_interpret_mode():
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 2e-3
   assert not np.asarray(got, np.float32)[sum(sizes):].any()  # rows past the groups
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["tokens", "slots"])
+def test_grouped_kernels_compose_the_dispatch_rows(per_token):
+  """rows_in / rows_out (the MoE dispatch's gathers, composed with the kernel's own tiling) give
+  what the model's `grouped_rows` gives: the reference bit for bit, the kernels (interpret
+  mode) within their summation order, FP4 and bf16, one row per token or per slot."""
+  rows = routed_rows(1, 6, 2, 4, per_token)
+  r = 6 if per_token else 12
+  x, w, _ = grouped_inputs(2, r, 256, 128, [3] * 4, MXFP4, True)
+  args = (rows.group_sizes, rows.src, rows.back)
+  want = L.grouped_rows(x, dequantize(w).astype(jnp.bfloat16), rows)
+  ref = grouped_fp4_matmul(x, w, *args)
+  assert ref.shape == (12, 128)
+  np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(want, np.float32))
+  got = grouped_fp4_matmul(x, w, *args, implementation="pallas", splits=2, interpret=True,
+                           poison=True)
+  assert_close(got, ref)
+  # sorted rows given explicitly: the same numbers as the composed call
+  sorted_x = x[rows.src]
+  assert_close(got, grouped_fp4_matmul(sorted_x, w, rows.group_sizes, implementation="pallas",
+                                       splits=2, interpret=True)[rows.back])
+  w16 = jax.random.normal(jax.random.PRNGKey(5), (4, 256, 128), jnp.bfloat16)
+  want16 = grouped_bf16_matmul(x, w16, *args)
+  np.testing.assert_array_equal(np.asarray(want16, np.float32), np.asarray(
+      L.grouped_rows(x, w16, rows), np.float32))
+  got16 = grouped_bf16_matmul(x, w16, *args, implementation="pallas", splits=2, interpret=True,
+                              poison=True)
+  assert rel(got16, want16) < 2e-3
+  with pytest.raises(ValueError, match="rows_in as a vector of row indices"):
+    grouped_fp4_matmul(x, w, rows.group_sizes, rows.src.astype(jnp.float32))
 
 
 @pytest.mark.parametrize("block_m", [8, 16])

@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels.fp4_matmul import api, kernel, layout, mosaic, reference
 from tests.pallas_kernels import ptx_emu
+from tests.pallas_kernels.routes import routed_rows
 from trace_jax.quant import FP8, MXFP4, NVFP4_TENSOR, quantize
 
 FORMATS = [MXFP4, NVFP4_TENSOR]
@@ -400,6 +401,12 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
     np.testing.assert_array_equal(got[sum(sizes):], 0)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
     assert np.mean(got != want) < 0.05
+  rows = routed_rows(e, 16, 2, e, True)  # a MoE dispatch's rows, composed with the tiling
+  want = np.asarray(reference.grouped_fp4_matmul(x[:16], w, rows.group_sizes, rows.src,
+                                                 rows.back), np.float32)
+  got = np.asarray(mosaic.grouped_fp4_matmul(x[:16], layout.tile(w, order), rows.group_sizes,
+                                             rows_in=rows.src, rows_out=rows.back), np.float32)
+  assert got.shape == (32, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
 def test_jax_grouped_baseline_lowers_for_cuda():
@@ -477,6 +484,14 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
       check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=splits,
                                       row_tiles=row_tiles),
             reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
+  # a MoE dispatch's rows: x one row per token (or per slot), its rows gathered into the tiles
+  # and the output back in slot order, composed with the wrapper's own gathers
+  for per_token in (True, False):
+    rows = routed_rows(3, 10, 2, 4, per_token)
+    xr = x[:10] if per_token else x[:20]
+    check(mosaic.grouped_fp4_matmul(xr, layout.tile(gw, order), rows.group_sizes, splits=1,
+                                    rows_in=rows.src, rows_out=rows.back),
+          reference.grouped_fp4_matmul(xr, gw, rows.group_sizes, rows.src, rows.back))
 
 
 def test_grouped_bf16_kernel_lowers_for_cuda_and_names_what_is_wrong():
@@ -523,6 +538,12 @@ def test_grouped_bf16_wrapper_moves_rows_right(monkeypatch):
     np.testing.assert_array_equal(got[sum(sizes):], 0)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
   assert asked == [jnp.float32, jnp.bfloat16]  # one split: y^T written in bf16 by the kernel
+  rows = routed_rows(3, 10, 2, 4, True)  # a MoE dispatch's rows, composed with the tiling
+  got = np.asarray(mosaic.grouped_bf16_matmul(x[:10], w, rows.group_sizes, rows_in=rows.src,
+                                              rows_out=rows.back), np.float32)
+  want = np.asarray(reference.grouped_bf16_matmul(x[:10], w, rows.group_sizes, rows.src,
+                                                  rows.back), np.float32)
+  assert got.shape == (20, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
 @pytest.mark.gpu
@@ -541,3 +562,9 @@ def test_grouped_bf16_kernel_on_gpu(sizes, k, n):
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got[sum(sizes):], 0)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+  rows = routed_rows(e, 16, 2, e, True)  # a MoE dispatch's rows, composed with the tiling
+  want = np.asarray(reference.grouped_bf16_matmul(x[:16], w, rows.group_sizes, rows.src,
+                                                  rows.back), np.float32)
+  got = np.asarray(mosaic.grouped_bf16_matmul(x[:16], w, rows.group_sizes, rows_in=rows.src,
+                                              rows_out=rows.back), np.float32)
+  assert got.shape == (32, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3

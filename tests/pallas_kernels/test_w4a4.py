@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels.fp4_matmul import reference, w4a4
 from pallas_kernels.fp4_matmul import w4a4_layout as L
 from tests.pallas_kernels import ptx_emu
+from tests.pallas_kernels.routes import routed_rows
 from trace_jax.quant import MXFP4, NVFP4, dequantize, quantize
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
@@ -187,6 +188,11 @@ def test_kernels_lower_for_cuda(m):
     g = jax.ShapeDtypeStruct((4,), jnp.int32)
     f = jax.jit(lambda x, w, g: w4a4.grouped_w4a4_matmul(x, w, g, exact_path="kernel"))
     assert jax.export.export(f, platforms=["cuda"])(x, we, g).out_avals[0].shape == (m, n)
+    rows = jax.ShapeDtypeStruct((2 * m,), jnp.int32)  # a dispatch's rows: 2 slots a token
+    f = jax.jit(lambda x, w, g, r_in, r_out: w4a4.grouped_w4a4_matmul(
+        x, w, g, rows_in=r_in, rows_out=r_out))
+    out = jax.export.export(f, platforms=["cuda"])(x, we, g, rows, rows).out_avals[0]
+    assert out.shape == (2 * m, n)
 
 
 def test_exact_path_is_checked():
@@ -220,6 +226,23 @@ def test_kernel_on_gpu(m, k, n):
       assert np.mean(got != want) < 0.02, exact
 
 
+def test_emulated_grouped_takes_the_dispatch_rows():
+  """rows_in / rows_out: the sorted rows gathered from x, the output taken back, as the
+  reference computes them (up to sum order) and as the emulation on the sorted rows does."""
+  rows = routed_rows(6, 12, 2, 4, True)
+  xq, w = activation(9, 12, 1024), weight(10, 1024, 256, experts=4)
+  got = np.asarray(w4a4.emulated_grouped_matmul(xq, tile(w), rows.group_sizes, rows.src,
+                                                rows.back), np.float32)
+  assert got.shape == (24, 256)
+  x = dequantize(xq).astype(jnp.bfloat16)
+  want = np.asarray(reference.grouped_fp4_matmul(x, w, rows.group_sizes, rows.src, rows.back),
+                    np.float32)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+  sorted_q = type(xq)(xq.codes[rows.src], xq.scales[rows.src], None, MXFP4, -1)
+  np.testing.assert_array_equal(got, np.asarray(w4a4.emulated_grouped_matmul(
+      sorted_q, tile(w), rows.group_sizes)[rows.back], np.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes", [(5, 0, 17, 2), (0, 0, 0, 40)])
 def test_grouped_kernel_on_gpu(sizes):
@@ -234,3 +257,14 @@ def test_grouped_kernel_on_gpu(sizes):
       got = np.asarray(w4a4.grouped_w4a4_matmul(x, L.tile(w), g, exact_path=exact), np.float32)
       assert not np.isnan(got).any(), exact
       assert np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30) < 1e-3, exact
+  rows = routed_rows(1, 16, 2, len(sizes), True)  # a dispatch's rows, composed with the tiles
+  xq = activation(11, 16, k)
+  for x in (xq, spread_out(xq)):
+    x16 = dequantize(x).astype(jnp.bfloat16)
+    want = np.asarray(reference.grouped_fp4_matmul(x16, w, rows.group_sizes, rows.src,
+                                                   rows.back), np.float32)
+    for exact in ("kernel", "xla"):
+      got = np.asarray(w4a4.grouped_w4a4_matmul(x, L.tile(w), rows.group_sizes, exact_path=exact,
+                                                rows_in=rows.src, rows_out=rows.back), np.float32)
+      assert got.shape == (32, n), exact
+      assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3, exact

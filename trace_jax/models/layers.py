@@ -6,6 +6,8 @@ heads, K kv heads, G = H / K, Dh head_dim, E experts, k experts per token, F exp
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -43,6 +45,21 @@ def grouped(x_MxD: jax.Array, w_ExDxF: jax.Array, group_sizes_E: jax.Array) -> j
   y = jax.lax.ragged_dot(x_MxD, w_ExDxF.astype(x_MxD.dtype), group_sizes_E,
                          preferred_element_type=jnp.float32)
   return y.astype(x_MxD.dtype)
+
+
+class ExpertRows(NamedTuple):
+  """The rows a grouped matmul takes and gives around its sort by expert: sorted row i is row
+  `src[i]` of its input (`group_sizes[e]` rows for expert e, in expert order), and output row
+  j is sorted row `back[j]`. A kernel composes the two gathers with those of its own tiling."""
+
+  src: jax.Array
+  back: jax.Array
+  group_sizes: jax.Array
+
+
+def grouped_rows(x_RxD: jax.Array, w_ExDxF: jax.Array, rows: ExpertRows) -> jax.Array:
+  """`grouped` around the sort: grouped(x[rows.src])[rows.back]."""
+  return grouped(x_RxD[rows.src], w_ExDxF, rows.group_sizes)[rows.back]
 
 
 def _grouped_scores(q_BxTxHxDh, k_BxSxKxDh):
@@ -133,7 +150,8 @@ def load_balancing_loss(probs_BxTxE, idx_BxTxk, mask_BxT) -> jax.Array:
 
 
 class Dispatch:
-  """Tokens sorted by expert for grouped matmuls, and the way back (slot order: token, k)."""
+  """The experts' rows for grouped matmuls (`ExpertRows`): the (token, expert slot) pairs sorted
+  by expert, and the way back to slot order (token, k)."""
 
   def __init__(self, idx_MxK: jax.Array, n_experts: int):
     flat = idx_MxK.reshape(-1)
@@ -142,11 +160,12 @@ class Dispatch:
     self.inverse = jnp.argsort(self.order)
     self.group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
 
-  def sort_tokens(self, x_MxD):
-    return x_MxD[self.order // self.k]
+  @property
+  def of_tokens(self) -> ExpertRows:
+    """From one row per token [M, D] to one per slot [M x k, F]."""
+    return ExpertRows(self.order // self.k, self.inverse, self.group_sizes)
 
-  def sort_slots(self, x_MKxF):
-    return x_MKxF[self.order]
-
-  def unsort(self, y_MKxF):
-    return y_MKxF[self.inverse]
+  @property
+  def of_slots(self) -> ExpertRows:
+    """From one row per slot [M x k, F] to one per slot [M x k, D]."""
+    return ExpertRows(self.order, self.inverse, self.group_sizes)

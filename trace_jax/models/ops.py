@@ -34,8 +34,9 @@ class XlaOps:
     path quantized x (x its dequantization), for kernels that take the codes."""
     return None
 
-  def experts(self, x_MxD, w, group_sizes, xq=None):
-    """Rows sorted by expert @ their expert's w [E, K, N], or None; xq as in `linear`."""
+  def experts(self, x_RxD, w, rows, xq=None):
+    """x's rows through their experts' w [E, K, N] as `layers.grouped_rows` computes them
+    (`rows`: a `layers.ExpertRows`), or None; xq: x's QArray as in `linear`, its rows x's."""
     return None
 
   def attention(self, q_BxHxDh, k, v, mask_BxS):

@@ -128,11 +128,8 @@ class _TrainLayer:
   def linear(self, x, w, name):
     return L.dense(x, self.path.weight(w, self.rep, name))
 
-  def experts(self, x_MxD, w, group_sizes, name):
-    return L.grouped(x_MxD, self.path.weight(w, self.rep, name), group_sizes)
-
-  def rows(self, order, x):
-    return order(x.reshape(-1, x.shape[-1]))
+  def experts(self, x, w, rows, name):
+    return L.grouped_rows(x.reshape(-1, x.shape[-1]), self.path.weight(w, self.rep, name), rows)
 
   def act(self, x, site):
     fmt = self._format(site)

@@ -21,7 +21,7 @@ callers use; it lays the weights out as the modules' variables and applies them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -43,13 +43,11 @@ class LayerPath(Protocol):
 
   def linear(self, x: jax.Array, w: Any, name: str) -> jax.Array: ...
 
-  def experts(self, x_MxD: jax.Array, w: Any, group_sizes: jax.Array, name: str) -> jax.Array: ...
+  def experts(self, x: jax.Array, w: Any, rows: L.ExpertRows, name: str) -> jax.Array:
+    """x [..., D] as rows [R, D] through their experts' w [E, D, F] -> [S, F] (`rows`: which
+    rows each expert takes, and the output's order; `L.grouped_rows`)."""
 
   def act(self, x: jax.Array, site: str) -> jax.Array: ...
-
-  def rows(self, order: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-    """order(x [..., D] as [M, D]): an activation's rows reordered (the experts' dispatch), so
-    that a path that keeps the activation quantized reorders its codes alike."""
 
   def attention(self, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh) -> jax.Array: ...
 
@@ -136,15 +134,13 @@ def moe(cfg: ModelConfig, p: Params, x_BxTxD, idx_BxTxk, gates_BxTxk, path: Laye
   b, t, d = x_BxTxD.shape
   k = cfg.top_k
   dispatch = L.Dispatch(idx_BxTxk.reshape(b * t, k), cfg.n_experts)
-  xs = path.rows(dispatch.sort_tokens, x_BxTxD)
-  g = path.experts(xs, p["w_gate"], dispatch.group_sizes, "w_gate")
-  u = path.experts(xs, p["w_up"], dispatch.group_sizes, "w_up")
-  mid = jax.nn.silu(g) * u
-  # the moe_mid site is laid out per (token, expert slot), as its records are
-  mid = path.act(dispatch.unsort(mid).reshape(b, t, k, cfg.d_ff), "moe_mid")
-  ys = path.experts(path.rows(dispatch.sort_slots, mid), p["w_down"],
-                    dispatch.group_sizes, "w_down")
-  y = dispatch.unsort(ys).reshape(b, t, k, d).astype(jnp.float32) * gates_BxTxk[..., None]
+  # each grouped matmul gathers its rows sorted by expert and gives them back per (token,
+  # expert slot): the layout of the moe_mid site and its records
+  g = path.experts(x_BxTxD, p["w_gate"], dispatch.of_tokens, "w_gate")
+  u = path.experts(x_BxTxD, p["w_up"], dispatch.of_tokens, "w_up")
+  mid = path.act((jax.nn.silu(g) * u).reshape(b, t, k, cfg.d_ff), "moe_mid")
+  ys = path.experts(mid, p["w_down"], dispatch.of_slots, "w_down")
+  y = ys.reshape(b, t, k, d).astype(jnp.float32) * gates_BxTxk[..., None]
   # slot by slot in float32: a fixed order of adds, whatever batch or sharding XLA sees
   out = y[:, :, 0]
   for j in range(1, k):

@@ -250,17 +250,10 @@ class _RolloutLayer:
     y = self.path.ops.linear(x, w, xq=self._qarray(x))
     return L.dense(x, self.path.ops.dense(w)) if y is None else y
 
-  def experts(self, x_MxD, w, group_sizes, name):
-    y = self.path.ops.experts(x_MxD, w, group_sizes, xq=self._qarray(x_MxD))
-    return L.grouped(x_MxD, self.path.ops.dense(w), group_sizes) if y is None else y
-
-  def rows(self, order, x):
-    out = order(x.reshape(-1, x.shape[-1]))
-    qa = self._qarray(x)
-    if qa is not None:  # the codes and scales reordered alike (both laid out per row)
-      qa = jax.tree.map(lambda a: order(a.reshape(-1, a.shape[-1])), qa)
-      self._quantized.append((out, qa))
-    return out
+  def experts(self, x, w, rows, name):
+    x_RxD = x.reshape(-1, x.shape[-1])
+    y = self.path.ops.experts(x_RxD, w, rows, xq=self._qarray(x))
+    return L.grouped_rows(x_RxD, self.path.ops.dense(w), rows) if y is None else y
 
   def _quantize(self, x, site):
     """-> (what to store: QArray or array, the values the engine computes with)."""
