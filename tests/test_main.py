@@ -59,10 +59,11 @@ def comparable(rows):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-# trace_all is trace with records at every layer (tests/rl/test_rollout.py checks those): the
-# default run leaves its 30 s to the slow selection
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "trace_all"
-                                  else m for m in MODES])
+# trace_all is trace with records at every layer (tests/rl/test_rollout.py checks those), and
+# fp4_rollout a bf16 trainer (bf16's) on FP4 rollouts (trace's): the default run leaves their
+# 30-60 s each to the slow selection
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow)
+                                  if m in ("trace_all", "fp4_rollout") else m for m in MODES])
 def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
   c = smoke(data_dir, mode, "rl.routing_replay=true", "rl.correction=tis")
   summary = train(c, str(tmp_path), progress=False, log=lambda *_: None)
@@ -82,9 +83,11 @@ def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
   assert summary["mode"] == mode and summary["reward_last"] is not None
 
 
-# the long-horizon run (about 50 s) under -m slow: its episodes (one KV cache, observations
-# masked) are checked in tests/tasks/test_long_horizon.py, the run loop by the reasoning runs
-@pytest.mark.parametrize("config", [coding, pytest.param(long_horizon, marks=pytest.mark.slow)],
+# the two runs (about 50 and 100 s) under -m slow: the long-horizon episodes (one KV cache,
+# observations masked) are checked in tests/tasks/test_long_horizon.py, the coding family's
+# sandboxed programs and rewards in tests/tasks/test_coding.py, the run loop by the reasoning runs
+@pytest.mark.parametrize("config", [pytest.param(coding, marks=pytest.mark.slow),
+                                    pytest.param(long_horizon, marks=pytest.mark.slow)],
                          ids=["coding", "long_horizon"])
 def test_the_other_families_run(config, data_dir, tmp_path, allow_unsandboxed):
   c = smoke(data_dir, "trace", f"task.coding.allow_unsandboxed={allow_unsandboxed}",

@@ -173,7 +173,10 @@ def test_exact_path_arithmetic_is_the_reference_where_the_fold_misses():
   assert np.linalg.norm(folded - ref3) > 0.5 * np.linalg.norm(ref3)  # what the branch is for
 
 
-@pytest.mark.parametrize("m", [1, 16, 40, 64, 100])
+# one call (16, with the grouped kernel) and calls in sequence (100) by default; the other sizes
+# (about 20-40 s of CPU each) in the slow selection
+@pytest.mark.parametrize("m", [pytest.param(m, marks=pytest.mark.slow) if m in (1, 40, 64)
+                               else m for m in (1, 16, 40, 64, 100)])
 def test_kernels_lower_for_cuda(m):
   """The whole Mosaic lowering (layout inference, the 8-bit wgmma's operand checks) for a CUDA
   target, from CPU: one 16-token call, 64 tokens, and calls in sequence past 64."""

@@ -33,6 +33,9 @@ def test_probe_takes_a_registered_format(registered):
   assert guided["record/bytes_per_token"] > 0
 
 
+# a minute or two of CPU: the registered format's rollout, records and recompute are checked by
+# the probe's test above; the RL run around them in the slow selection
+@pytest.mark.slow
 def test_rl_runs_with_a_registered_format_and_a_mixed_recipe(registered, data_dir, tmp_path):
   c = smoke(data_dir, "trace_all", f"rl.fp4={NAME}", "rl.steps=2", "sft.steps=2",
             "log.flip_rate_every=1")

@@ -474,6 +474,9 @@ def _w4a4_rollouts(monkeypatch, max_new_tokens=8):
   return cfg, params, recipe, out, taken
 
 
+# the W4A4 engine is off by default (engine.w4a4): its minute of CPU in the slow selection, which
+# the GPU run of this file selects too (-m "gpu or slow or not slow")
+@pytest.mark.slow
 def test_w4a4_engine_takes_the_activations_codes_and_keeps_the_records_exact(monkeypatch):
   """engine w4a4: every projection and expert matmul of an MXFP4 policy runs the W4A4 kernel on
   its activation's QArray (the experts' inputs reordered by the dispatch with their codes),

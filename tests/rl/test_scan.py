@@ -175,6 +175,7 @@ def episode(scan_decode, stacked, multi_turn):
   return out.tokens, out.logp, out.records, out.codes, out.routes
 
 
+@pytest.mark.slow  # the scanned decode (engine.scan_decode) is off by default: 1-2 min of CPU
 def test_a_scanned_decode_step_samples_what_the_unrolled_one_does():
   """Stacked weights and a cache stacked per run, across a recipe whose runs split the layers:
   the same tokens, log-probs, records, codes and routes."""
