@@ -143,7 +143,7 @@ def test_a_batch_that_does_not_fit_is_refused_before_its_state_is_made(monkeypat
   assert made == [True]  # traced for its shapes, never built
 
 
-@pytest.mark.slow  # the scanned decode (bench_rollout's +scan, engine.scan_decode) is off by default
+@pytest.mark.slow  # the scanned decode (bench_rollout's +scan, engine.scan_decode): off by default
 def test_stacked_random_weights_are_the_scanned_decodes_layout():
   """Stacked random weights: the layout `pack_weights(..., stacked=True)` gives a uniform
   recipe, the unstacked weights' values layer for layer; a `+scan` row decodes with them."""

@@ -32,11 +32,11 @@ def tile_rows(group_sizes, t: int, block_m: int, rows_in=None, rows_out=None,
   dest [T]: each row's place among the padded rows, out of range past sum(group_sizes), so that
   reading an output back with mode="fill" gives those rows zeros).
 
-  A grouped matmul whose sorted rows are a gather of its input, and whose output is a gather of
-  the sorted rows (the MoE dispatch, `api.grouped_fp4_matmul`'s rows_in and rows_out), composes the two
-  into its own: rows_in [T] (the row of x, of x_rows, each sorted row is) makes src index x
-  directly (x_rows where none); rows_out [S] (the sorted row each output row takes) makes dest
-  [S] per output row. The sorted rows are then never written out."""
+  A grouped matmul whose sorted rows are a gather of its input, and whose output a gather of
+  the sorted rows (the MoE dispatch: `api.grouped_fp4_matmul`'s rows_in and rows_out), composes
+  the two with its own: rows_in [T] (the row of x, of x_rows, each sorted row is) makes src
+  index x directly (x_rows where none); rows_out [S] (the sorted row each output row takes)
+  makes dest [S], per output row. The sorted rows are then never written out."""
   e = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
   tiles = -(-sizes // block_m)
