@@ -5,9 +5,11 @@
         [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,mxfp4:pallas+scan,...]
 
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
-nvfp4; the engine's kernels: xla | pallas | triton, where "pallas" is the engine's kernel switch
-as a user sets it, the weight sync packing FP4 weights for the Mosaic GPU kernels, and "triton"
-the same switch with FP4 weights packed plainly, which runs the Triton FP4 kernels instead;
+nvfp4; the engine's kernels: xla | pallas | triton | tokamax, where "pallas" is the engine's
+kernel switch as a user sets it, the weight sync packing FP4 weights for the Mosaic GPU kernels,
+"triton" the same switch with FP4 weights packed plainly, which runs the Triton FP4 kernels
+instead, and `bf16:tokamax` the bf16 engine on tokamax's kernels where that package is
+installed (`pallas_kernels.dispatch.TokamaxOps`);
 under either, an optional third field picks the decode attention's backend:
 `mxfp4:pallas:mosaic` the Mosaic attention kernel, `:triton` the Triton one, `:auto`, the
 engine's default, the one measured faster for the cache's format; a suffix `+scan` runs the
@@ -58,8 +60,8 @@ from trace_jax.models.rollout_path import new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
 
-VARIANTS = ("bf16:xla", "bf16:pallas", "mxfp4:xla", "mxfp4:pallas", "nvfp4:pallas",
-            "mxfp4:triton", "nvfp4:triton")
+VARIANTS = ("bf16:xla", "bf16:pallas", "bf16:tokamax", "mxfp4:xla", "mxfp4:pallas",
+            "nvfp4:pallas", "mxfp4:triton", "nvfp4:triton")
 
 
 ORDER_SUFFIXES = ("+pairs", "+halves")
@@ -77,7 +79,7 @@ def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
   parts = name.split(":")
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
-      len(parts) == 3 and parts[1] == "xla") or (
+      len(parts) == 3 and parts[1] in ("xla", "tokamax")) or (
           flags & {"+w4a4", *ORDER_SUFFIXES} and parts[1] != "pallas") or (
           flags & set(ORDER_SUFFIXES) and (parts[0] == "bf16" or "+w4a4" in flags)) or (
           set(ORDER_SUFFIXES) <= flags):
@@ -326,7 +328,8 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
     precision, kernels, attention, scan, w4a4, order = parse_variant(variant)
-    layout = "pallas" if kernels == "pallas" else "xla"  # "triton": FP4 weights packed plainly
+    # "triton": FP4 weights packed plainly; "tokamax" (bf16) lays nothing out
+    layout = "pallas" if kernels == "pallas" else "xla"
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
     ops = make_ops(layout, w4a4=w4a4, fp4_order=order)

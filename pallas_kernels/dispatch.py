@@ -57,7 +57,7 @@ from trace_jax.models.ops import XLA, XlaOps
 from trace_jax.quant import QArray, Record
 from trace_jax.quant.formats import Format
 
-KERNELS = ("xla", "pallas")
+KERNELS = ("xla", "pallas", "tokamax")
 FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
 ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
@@ -68,9 +68,9 @@ _FP4_CACHES = ("mxfp4", "nvfp4")
 
 def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16,
              w4a4: bool = False, fp4_order: str = FP4_ORDER):
-  """The rollout path's ops for `kernels` ("xla" | "pallas") and, under "pallas", the decode
-  attention's backend ("auto" | "triton" | "mosaic"); act_dtype: the model's activations
-  (the kernels take bf16). `w4a4`: MXFP4 projections and experts whose input the recipe
+  """The rollout path's ops for `kernels` ("xla" | "pallas" | "tokamax": `TokamaxOps`, a bf16
+  baseline on that package's kernels) and, under "pallas", the decode attention's backend
+  ("auto" | "triton" | "mosaic"); act_dtype: the model's activations (the kernels take bf16). `w4a4`: MXFP4 projections and experts whose input the recipe
   quantizes to MXFP4 run the W4A4 kernels (`KernelOps`). `fp4_order`: the nibble order the
   weight sync tiles FP4 weights in for the Mosaic matmuls (`layout.ORDERS`: "halves", the
   default, takes x as it is; "pairs" its even and odd K columns transposed)."""
@@ -81,10 +81,12 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   if attention_kernel not in ATTENTION_KERNELS:
     raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
                      f"{attention_kernel!r}")
+  if kernels != "pallas" and w4a4:
+    raise ValueError("w4a4 runs the Pallas kernels: it needs kernels='pallas'")
   if kernels == "xla":
-    if w4a4:
-      raise ValueError("w4a4 runs the Pallas kernels: it needs kernels='pallas'")
     return XLA
+  if kernels == "tokamax":
+    return TokamaxOps()
   if jnp.dtype(act_dtype) != jnp.bfloat16:
     raise ValueError(f"the pallas kernels take bf16 activations; the model's dtype is "
                      f"{jnp.dtype(act_dtype).name}")
@@ -310,3 +312,40 @@ class KernelOps(XlaOps):
   def quantize(self, x, fmt):
     return _quantize(x, fmt)
 
+
+
+class TokamaxOps(XlaOps):
+  """A bf16 rollout on tokamax's kernels (`pip install tokamax`, not a dependency of this
+  project: the benchmarks' other bf16 engine): the experts by `tokamax.ragged_dot`, the decode
+  attention over bf16 caches by `tokamax.dot_product_attention`, each in the implementation
+  tokamax picks for the device (its Mosaic GPU or Triton kernels where they run, XLA
+  elsewhere); the dense projections XLA's dot, FP4 weights and caches XLA's path."""
+
+  name = "tokamax"
+
+  def __init__(self):
+    try:
+      import tokamax
+    except ImportError as e:
+      raise ValueError("kernels='tokamax' needs the tokamax package (pip install tokamax), "
+                       f"which is not installed: {e}") from None
+    from absl import flags
+    if not flags.FLAGS.is_parsed():  # its config reads absl flags, which would parse sys.argv
+      flags.FLAGS.mark_as_parsed()  # (this program's own arguments) at the first call
+    self.tokamax = tokamax
+
+  def experts(self, x_RxD, w, rows, xq=None):
+    if not isinstance(w, jax.Array):
+      return None
+    y = self.tokamax.ragged_dot(x_RxD[rows.src].astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                                rows.group_sizes.astype(jnp.int32),
+                                preferred_element_type=jnp.float32)
+    return y.astype(jnp.bfloat16)[rows.back]
+
+  def attention(self, q_BxHxDh, k, v, mask_BxS):
+    if isinstance(k, QArray) or isinstance(v, QArray):
+      return None
+    o = self.tokamax.dot_product_attention(  # [B, T = 1, H, Dh] against [B, S, Kv, Dh]
+        q_BxHxDh[:, None].astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+        mask=mask_BxS[:, None, None, :])
+    return o[:, 0].astype(jnp.bfloat16)

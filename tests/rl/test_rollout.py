@@ -1,6 +1,7 @@
 """The rollout engine against the training path: KV cache, sampling, records, routing replay."""
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -197,12 +198,12 @@ def test_bad_prompts():
                     jax.random.PRNGKey(0))
 
 
-def _kernel_rollouts(precision, max_new_tokens=6):
+def _kernel_rollouts(precision, max_new_tokens=6, kernels_to=("xla", "pallas")):
   cfg, params = policy()
   recipe = QuantRecipe.uniform(precision)
   tokens, lengths = pad_prompts(PROMPTS)
   out = []
-  for kernels in ("xla", "pallas"):
+  for kernels in kernels_to:
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     engine = RolloutEngine(cfg, recipe, sampling, records="all", attn_chunk=16, kernels=kernels)
     weights = pack_weights(cfg, params, recipe, ops=engine.ops)
@@ -240,6 +241,69 @@ def _assert_same_rollouts(xla, pallas):
         assert np.mean(got != want) < 0.05, (layer, site, np.mean(got != want))
       else:
         np.testing.assert_array_equal(got, want, err_msg=f"layer {layer} {site}")
+
+
+class _Tokamax:
+  """A stand-in for the tokamax package with its two functions' signatures, computed as the
+  engine computes them (`jax.lax.ragged_dot`, the decode attention's reference): what
+  `TokamaxOps` hands them (the experts' rows, the decode query and mask) is checked on any
+  machine; the package itself on the GPU below."""
+
+  def __init__(self):
+    self.calls = []
+
+  def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
+    self.calls.append("ragged_dot")
+    assert lhs.dtype == rhs.dtype == jnp.bfloat16 and group_sizes.shape == rhs.shape[:1]
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                              preferred_element_type=preferred_element_type)
+
+  def dot_product_attention(self, query, key, value, mask=None):
+    self.calls.append("dot_product_attention")
+    b, t, h, dh = query.shape
+    assert t == 1 and key.shape[0] == b and mask.shape == (b, 1, 1, key.shape[1])
+    # the engine's own rounding (float32 scores, bf16 probabilities; the package's: GPU test)
+    from pallas_kernels.decode_attention import reference
+    return reference.decode_attention(query[:, 0], key, value, mask[:, 0, 0])[:, None]
+
+
+def test_tokamax_ops_compute_what_xla_computes(monkeypatch):
+  """kernels="tokamax" (the benchmarks' other bf16 engine): the experts and the decode attention
+  on tokamax's functions, here a stand-in of the same signatures; the same tokens as XLA's
+  engine, log-probabilities within rounding. FP4 weights and caches stay XLA's."""
+  fake = _Tokamax()
+  monkeypatch.setitem(sys.modules, "tokamax", fake)
+  xla, tk = _kernel_rollouts("bf16", kernels_to=("xla", "tokamax"))
+  np.testing.assert_array_equal(np.asarray(tk.tokens), np.asarray(xla.tokens))
+  np.testing.assert_allclose(np.asarray(tk.logp), np.asarray(xla.logp), atol=1e-4)
+  assert {"ragged_dot", "dot_product_attention"} <= set(fake.calls)
+  from pallas_kernels.dispatch import make_ops
+  from trace_jax.quant import MXFP4, quantize
+  ops = make_ops("tokamax")
+  assert ops.experts(jnp.zeros((4, 32)), quantize(jnp.ones((2, 32, 8)), MXFP4, axis=-2),
+                     None) is None  # FP4 weights: XLA's path
+  monkeypatch.setitem(sys.modules, "tokamax", None)  # not installed
+  with pytest.raises(ValueError, match="needs the tokamax package"):
+    make_ops("tokamax")
+
+
+@pytest.mark.gpu
+def test_tokamax_engine_on_gpu():
+  """The package itself (installed on the GPU machine), its own kernel choices, against XLA's
+  bf16 engine: its attention rounds the scores to bf16 (the engine keeps them in float32), so
+  a near tie can take another greedy token (on CPU, tokamax 0.0.12's XLA implementation: one
+  of four sequences at its fifth new token, the log-probabilities before it within 7.6e-3).
+  The first new token is the same everywhere (the prefill is the engine's own), and until
+  each sequence's first other token its log-probabilities are within 1e-2."""
+  xla, tk = _kernel_rollouts("bf16", kernels_to=("xla", "tokamax"))
+  got, want = np.asarray(tk.tokens), np.asarray(xla.tokens)
+  first_new = len(max(PROMPTS, key=len))
+  np.testing.assert_array_equal(got[:, :first_new + 1], want[:, :first_new + 1])
+  for row in range(got.shape[0]):
+    other = np.nonzero(got[row] != want[row])[0]
+    until = other[0] if len(other) else got.shape[1]
+    np.testing.assert_allclose(np.asarray(tk.logp)[row, :until],
+                               np.asarray(xla.logp)[row, :until], atol=1e-2)
 
 
 def test_pallas_attention_over_a_cache_it_has_not_filled():

@@ -70,7 +70,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.engine = ml_collections.ConfigDict()
   # its matmuls, decode attention and quantization: xla | pallas (the Pallas kernels; GPU,
   # interpret mode elsewhere; MXFP4, NVFP4 and bf16 compute what XLA does up to the order of
-  # float32 sums)
+  # float32 sums) | tokamax (bf16 experts and attention on the tokamax package's kernels, where
+  # it is installed: a baseline for the benchmarks)
   c.engine.kernels = "xla"
   # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
   # Triton one otherwise, as measured) | triton | mosaic
