@@ -94,3 +94,31 @@ def test_parse_layers():
     parse_layers("some", 4)
   with pytest.raises(ValueError, match="unknown quantization format 'fp4'"):
     QuantRecipe(weights="fp4")
+
+
+def _gathers(jaxpr, operand, out):
+  """Gathers from an `operand`-shaped array to an `out`-shaped one in a jaxpr and the jaxprs
+  inside it (a scan's body once)."""
+  n = 0
+  for e in jaxpr.eqns:
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else (p,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          n += _gathers(sub, operand, out)
+    if e.primitive.name == "gather" and (e.invars[0].aval.shape, e.outvars[0].aval.shape) == (
+        operand, out):
+      n += 1
+  return n
+
+
+def test_gate_and_up_take_one_gather_of_the_sorted_tokens():
+  """The trainer gathers a layer's tokens sorted by expert once for the gate and the up
+  projection (`TrainPath`): their cotangents are summed on the sorted rows before one scatter
+  back, the order of sums the trainer has always had (gathered per projection, the gradients
+  move by bf16 roundings). The rollout's kernels compose the gathers instead."""
+  cfg = tiny(n_layers=1)
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  tokens = jnp.zeros((2, 5), jnp.int32)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(logits(cfg, p, tokens))))(params).jaxpr
+  assert _gathers(jaxpr, (2 * 5, cfg.d_model), (2 * 5 * cfg.top_k, cfg.d_model)) == 1

@@ -6,6 +6,7 @@ heads, K kv heads, G = H / K, Dh head_dim, E experts, k experts per token, F exp
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -160,12 +161,13 @@ class Dispatch:
     self.inverse = jnp.argsort(self.order)
     self.group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
 
-  @property
+  # one object each (a path that gathers the sorted rows once for gate and up knows them by it)
+  @functools.cached_property
   def of_tokens(self) -> ExpertRows:
     """From one row per token [M, D] to one per slot [M x k, F]."""
     return ExpertRows(self.order // self.k, self.inverse, self.group_sizes)
 
-  @property
+  @functools.cached_property
   def of_slots(self) -> ExpertRows:
     """From one row per slot [M x k, F] to one per slot [M x k, D]."""
     return ExpertRows(self.order, self.inverse, self.group_sizes)

@@ -121,6 +121,9 @@ class _TrainLayer:
     self.path, self.rep, self.i, self.records = path, rep, i, records
     self.codes: dict[str, jax.Array] = {}
     self.chosen = None  # the experts the trainer used
+    # (x, rows, x's rows sorted by expert): gate and up take one gather, so that their
+    # cotangents are summed on the sorted rows before one scatter back, as they always were
+    self._sorted: list[tuple[jax.Array, L.ExpertRows, jax.Array]] = []
 
   def _format(self, site):
     return self.path.recipe.site_format(site, self.rep, self.path.cfg.n_layers)
@@ -129,7 +132,11 @@ class _TrainLayer:
     return L.dense(x, self.path.weight(w, self.rep, name))
 
   def experts(self, x, w, rows, name):
-    return L.grouped_rows(x.reshape(-1, x.shape[-1]), self.path.weight(w, self.rep, name), rows)
+    xs = next((s for a, r, s in self._sorted if a is x and r is rows), None)
+    if xs is None:
+      xs = x.reshape(-1, x.shape[-1])[rows.src]
+      self._sorted.append((x, rows, xs))
+    return L.grouped(xs, self.path.weight(w, self.rep, name), rows.group_sizes)[rows.back]
 
   def act(self, x, site):
     fmt = self._format(site)
