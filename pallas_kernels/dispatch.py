@@ -317,13 +317,16 @@ class KernelOps(XlaOps):
 class TokamaxOps(XlaOps):
   """A bf16 rollout on tokamax's kernels (`pip install tokamax`, not a dependency of this
   project: the benchmarks' other bf16 engine): the experts by `tokamax.ragged_dot`, the decode
-  attention over bf16 caches by `tokamax.dot_product_attention`, each in the implementation
-  tokamax picks for the device (its Mosaic GPU or Triton kernels where they run, XLA
-  elsewhere); the dense projections XLA's dot, FP4 weights and caches XLA's path."""
+  attention over bf16 caches by `tokamax.dot_product_attention`, in `implementation` (tokamax's
+  own order of choice: the first that takes the call). The default leaves out its Mosaic GPU
+  kernels, which do not run on jax 0.11.2 (tokamax 0.0.12: a TypeError in jax's Mosaic GPU
+  core, H100, 2026-12-05): its Triton kernels on a GPU, XLA elsewhere. The dense projections
+  are XLA's dot, FP4 weights and caches XLA's path."""
 
   name = "tokamax"
 
-  def __init__(self):
+  def __init__(self, implementation: tuple[str, ...] = ("triton", "xla")):
+    self.implementation = implementation
     try:
       import tokamax
     except ImportError as e:
@@ -339,7 +342,8 @@ class TokamaxOps(XlaOps):
       return None
     y = self.tokamax.ragged_dot(x_RxD[rows.src].astype(jnp.bfloat16), w.astype(jnp.bfloat16),
                                 rows.group_sizes.astype(jnp.int32),
-                                preferred_element_type=jnp.float32)
+                                preferred_element_type=jnp.float32,
+                                implementation=self.implementation)
     return y.astype(jnp.bfloat16)[rows.back]
 
   def attention(self, q_BxHxDh, k, v, mask_BxS):
@@ -347,5 +351,5 @@ class TokamaxOps(XlaOps):
       return None
     o = self.tokamax.dot_product_attention(  # [B, T = 1, H, Dh] against [B, S, Kv, Dh]
         q_BxHxDh[:, None].astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-        mask=mask_BxS[:, None, None, :])
+        mask=mask_BxS[:, None, None, :], implementation=self.implementation)
     return o[:, 0].astype(jnp.bfloat16)

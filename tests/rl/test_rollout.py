@@ -198,12 +198,12 @@ def test_bad_prompts():
                     jax.random.PRNGKey(0))
 
 
-def _kernel_rollouts(precision, max_new_tokens=6, kernels_to=("xla", "pallas")):
+def _kernel_rollouts(precision, max_new_tokens=6, backends=("xla", "pallas")):
   cfg, params = policy()
   recipe = QuantRecipe.uniform(precision)
   tokens, lengths = pad_prompts(PROMPTS)
   out = []
-  for kernels in kernels_to:
+  for kernels in backends:
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     engine = RolloutEngine(cfg, recipe, sampling, records="all", attn_chunk=16, kernels=kernels)
     weights = pack_weights(cfg, params, recipe, ops=engine.ops)
@@ -252,13 +252,14 @@ class _Tokamax:
   def __init__(self):
     self.calls = []
 
-  def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
+  def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, *,
+                 implementation=None):
     self.calls.append("ragged_dot")
     assert lhs.dtype == rhs.dtype == jnp.bfloat16 and group_sizes.shape == rhs.shape[:1]
     return jax.lax.ragged_dot(lhs, rhs, group_sizes,
                               preferred_element_type=preferred_element_type)
 
-  def dot_product_attention(self, query, key, value, mask=None):
+  def dot_product_attention(self, query, key, value, mask=None, *, implementation=None):
     self.calls.append("dot_product_attention")
     b, t, h, dh = query.shape
     assert t == 1 and key.shape[0] == b and mask.shape == (b, 1, 1, key.shape[1])
@@ -273,7 +274,7 @@ def test_tokamax_ops_compute_what_xla_computes(monkeypatch):
   engine, log-probabilities within rounding. FP4 weights and caches stay XLA's."""
   fake = _Tokamax()
   monkeypatch.setitem(sys.modules, "tokamax", fake)
-  xla, tk = _kernel_rollouts("bf16", kernels_to=("xla", "tokamax"))
+  xla, tk = _kernel_rollouts("bf16", backends=("xla", "tokamax"))
   np.testing.assert_array_equal(np.asarray(tk.tokens), np.asarray(xla.tokens))
   np.testing.assert_allclose(np.asarray(tk.logp), np.asarray(xla.logp), atol=1e-4)
   assert {"ragged_dot", "dot_product_attention"} <= set(fake.calls)
@@ -295,7 +296,7 @@ def test_tokamax_engine_on_gpu():
   of four sequences at its fifth new token, the log-probabilities before it within 7.6e-3).
   The first new token is the same everywhere (the prefill is the engine's own), and until
   each sequence's first other token its log-probabilities are within 1e-2."""
-  xla, tk = _kernel_rollouts("bf16", kernels_to=("xla", "tokamax"))
+  xla, tk = _kernel_rollouts("bf16", backends=("xla", "tokamax"))
   got, want = np.asarray(tk.tokens), np.asarray(xla.tokens)
   first_new = len(max(PROMPTS, key=len))
   np.testing.assert_array_equal(got[:, :first_new + 1], want[:, :first_new + 1])
