@@ -41,8 +41,9 @@ def get_config(arg=None):
   c.routing_replay = "off,on"
   c.n_buckets = 8  # response-position buckets of mismatch/kl_k3_by_position
   c.attn_chunk = 64  # flash-decoding split of the rollout's attention
-  # the rollout engine's kernels: xla | pallas (GPU; interpret mode elsewhere, slow), and the
-  # decode attention's backend under pallas: auto | triton | mosaic (trace_jax.rl.rollout)
+  # the rollout engine's kernels: xla | pallas (GPU; interpret mode elsewhere, slow) | tokamax
+  # (bf16: that package's kernels, where installed), and the decode attention's backend under
+  # pallas: auto | triton | mosaic (trace_jax.rl.rollout)
   c.kernels = "xla"
   c.attention_kernel = "auto"
   # MXFP4 x MXFP4 matmuls on the W4A4 (FP8 tensor core) kernels, with kernels=pallas

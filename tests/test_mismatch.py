@@ -180,7 +180,8 @@ def test_bad_choices_fail_before_work():
   with pytest.raises(ValueError, match="guidance='last:x'"):
     mismatch.run(c)
   c = mismatch_config.get_config("quick,kernels=cuda")
-  with pytest.raises(ValueError, match=r"kernels='cuda': choose from \['xla', 'pallas'\]"):
+  with pytest.raises(ValueError,
+                     match=r"kernels='cuda': choose from \['xla', 'pallas', 'tokamax'\]"):
     mismatch.run(c)
 
 
