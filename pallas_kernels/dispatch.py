@@ -317,15 +317,16 @@ class KernelOps(XlaOps):
 class TokamaxOps(XlaOps):
   """A bf16 rollout on tokamax's kernels (`pip install tokamax`, not a dependency of this
   project: the benchmarks' other bf16 engine): the experts by `tokamax.ragged_dot`, the decode
-  attention over bf16 caches by `tokamax.dot_product_attention`, in `implementation` (tokamax's
-  own order of choice: the first that takes the call). The default leaves out its Mosaic GPU
-  kernels, which do not run on jax 0.11.2 (tokamax 0.0.12: a TypeError in jax's Mosaic GPU
-  core, H100, 2026-12-05): its Triton kernels on a GPU, XLA elsewhere. The dense projections
-  are XLA's dot, FP4 weights and caches XLA's path."""
+  attention over bf16 caches by `tokamax.dot_product_attention`, in `implementation` (None:
+  tokamax's own order, its Mosaic GPU kernels first, then Triton, then XLA; the first that
+  takes the call). On jax 0.11.2 neither of tokamax 0.0.12's GPU kernels runs (H100,
+  2026-12-05: the Mosaic GPU ragged_dot stops on a TypeError in jax's Mosaic GPU core, the
+  Triton one on `pl.dot`, which jax 0.11 removed), so this engine needs a tokamax and jax that
+  agree. The dense projections are XLA's dot, FP4 weights and caches XLA's path."""
 
   name = "tokamax"
 
-  def __init__(self, implementation: tuple[str, ...] = ("triton", "xla")):
+  def __init__(self, implementation: tuple[str, ...] | None = None):
     self.implementation = implementation
     try:
       import tokamax
