@@ -70,10 +70,11 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
              w4a4: bool = False, fp4_order: str = FP4_ORDER):
   """The rollout path's ops for `kernels` ("xla" | "pallas" | "tokamax": `TokamaxOps`, a bf16
   baseline on that package's kernels) and, under "pallas", the decode attention's backend
-  ("auto" | "triton" | "mosaic"); act_dtype: the model's activations (the kernels take bf16). `w4a4`: MXFP4 projections and experts whose input the recipe
-  quantizes to MXFP4 run the W4A4 kernels (`KernelOps`). `fp4_order`: the nibble order the
-  weight sync tiles FP4 weights in for the Mosaic matmuls (`layout.ORDERS`: "halves", the
-  default, takes x as it is; "pairs" its even and odd K columns transposed)."""
+  ("auto" | "triton" | "mosaic"); act_dtype: the model's activations (the kernels take bf16).
+  `w4a4`: MXFP4 projections and experts whose input the recipe quantizes to MXFP4 run the W4A4
+  kernels (`KernelOps`). `fp4_order`: the nibble order the weight sync tiles FP4 weights in for
+  the Mosaic matmuls (`layout.ORDERS`: "halves", the default, takes x as it is; "pairs" its even
+  and odd K columns transposed)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if fp4_order not in FP4_ORDERS:
@@ -311,7 +312,6 @@ class KernelOps(XlaOps):
 
   def quantize(self, x, fmt):
     return _quantize(x, fmt)
-
 
 
 class TokamaxOps(XlaOps):
