@@ -95,11 +95,12 @@ def _written_bytes(eqn) -> int:
              if hasattr(v.aval, "dtype"))
 
 
-def census(jaxpr, counts=None, where=None, nbytes=None):
+def census(jaxpr, counts=None, where=None, nbytes=None, where_bytes=None):
   """Primitive counts of `jaxpr` and the jaxprs inside it, each call site once; a kernel
   (`pallas_call` or Mosaic GPU's) counts as "kernel: NAME" and is not entered. `where`, a
   Counter, also gets (primitive, source line) pairs of MOVEMENT's primitives; `nbytes`, a
-  Counter, the bytes each of MOVEMENT's primitives writes (its outputs, before fusion)."""
+  Counter, the bytes each of MOVEMENT's primitives writes (its outputs, before fusion), and
+  `where_bytes` (with `where`) those bytes by (primitive, source line)."""
   from jax._src import source_info_util
   counts = collections.Counter() if counts is None else counts
   for e in jaxpr.eqns:
@@ -110,7 +111,7 @@ def census(jaxpr, counts=None, where=None, nbytes=None):
     subs = list(_subjaxprs(e))
     if subs:
       for s in subs:
-        census(s, counts, where, nbytes)
+        census(s, counts, where, nbytes, where_bytes)
       continue
     counts[name] += 1
     if nbytes is not None and name in MOVEMENT:
@@ -121,6 +122,8 @@ def census(jaxpr, counts=None, where=None, nbytes=None):
       line = next((f"{os.path.relpath(f.file_name)}:{f.start_line} ({f.function_name})"
                    for f in frames), "?")
       where[name, line] += 1
+      if where_bytes is not None:
+        where_bytes[name, line] += _written_bytes(e)
   return counts
 
 
@@ -150,7 +153,8 @@ def run(variants, layers: int = 2, batch: int = 64, context: int = 4080,
       jaxpr = jax.make_jaxpr(engine._decode)(weights, state).jaxpr  # the decode loop
     lines = collections.Counter() if where else None
     nbytes = collections.Counter()
-    counts = census(jaxpr, where=lines, nbytes=nbytes)
+    line_bytes = collections.Counter()
+    counts = census(jaxpr, where=lines, nbytes=nbytes, where_bytes=line_bytes)
     row = {"variant": variant,
            "movement": {k: counts[k] for k in MOVEMENT},
            "movement_mb": {k: round(nbytes[k] / 1e6, 2) for k in MOVEMENT},
@@ -158,7 +162,10 @@ def run(variants, layers: int = 2, batch: int = 64, context: int = 4080,
                        if k.startswith("kernel: ")},
            "primitives": sum(v for k, v in counts.items() if not k.startswith("kernel: "))}
     if where:
-      row["where"] = [[p, line, n] for (p, line), n in lines.most_common()]
+      # the sites by the bytes they write, then by count
+      row["where"] = [[p, line, n, round(line_bytes[p, line] / 1e6, 3)]
+                      for (p, line), n in sorted(lines.items(),
+                                                 key=lambda kv: (-line_bytes[kv[0]], -kv[1]))]
     result["rows"].append(row)
     print(json.dumps({k: v for k, v in row.items() if k != "where"}), flush=True)
   return result
@@ -204,8 +211,9 @@ def main(argv=None):
   if args.where:
     for r in result["rows"]:
       print(f"\n{r['variant']}:")
-      for p, line, n in r["where"]:
-        print(f"  {n:4d} {p:22s} {line}")
+      print(f"  {'calls':>5s} {'MB':>8s} {'primitive':22s} source")
+      for p, line, n, mb in r["where"]:
+        print(f"  {n:5d} {mb:8.2f} {p:22s} {line}")
   print(table(result))
   if args.out:
     with open(args.out, "w") as fh:

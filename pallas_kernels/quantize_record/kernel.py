@@ -5,7 +5,8 @@ The scale rule is the format's own (`scales_from_amax`, `to_grid`; subnormal inp
 zero, `codecs.flush_subnormal`) and the element rounding is the quant core's E2M1
 round-half-to-even (tests check both against the core on every kind of value). Outputs are in the core's byte layout: codes [T, D/2] (element 2k in the low
 nibble of byte k), record bits [T, D/8] (element 8k+j in bit j of byte k), scales [T, nb],
-NVFP4's global [T, 1]. Two layouts of the same computation:
+NVFP4's global [T, 1], and on request the values the codes stand for, in x's dtype [T, D] (what
+the rollout computes with: no XLA pass decodes them again). Two layouts of the same computation:
 
 "blocks" (the default): x viewed as [T, nb, B] (a free reshape), a program loads
 [block_t, nb, B] as contiguous block rows, takes each block's max along B and the token's
@@ -54,6 +55,23 @@ def e2m1_encode(y):
   return (sign | m).astype(jnp.uint8)
 
 
+def e2m1_decode(codes):
+  """float32 E2M1 values of codes (int32), as `trace_jax.quant.codecs.E2M1.decode` without its
+  table look-up (a gather Triton does not lower): 0.5 m below 2, else (2 + m % 2) 2^(m/2 - 2)
+  for the magnitude code m, the sign from bit 3."""
+  m = codes & 7
+  low = m.astype(jnp.float32) * 0.5
+  high = (2 + (m & 1)).astype(jnp.float32) * codecs.exp2i((m >> 1) - 2)
+  mag = jnp.where(m < 2, low, high)
+  return jnp.where((codes & 8) != 0, -mag, mag)
+
+
+def _values(f, codes, scales, g):
+  """What the core's `dequantize` gives for the codes (int32) of a [.., B] tile and their
+  block's scales: the format's decode with `e2m1_decode` for its look-up."""
+  return codecs.flush_subnormal(f.from_grid(e2m1_decode(codes), scales, g))
+
+
 # rcp.rn: the correctly rounded float32 reciprocal, in one instruction, as the scale rules take
 # it (the quant core's `codecs.reciprocal` gets it from XLA's approximate GPU division by a
 # correction in integers; interpret mode runs that)
@@ -80,10 +98,11 @@ def default_block_t(layout: str, d: int) -> int:
   return max(1, 4096 // _next_pow2(d)) if layout == "blocks" else 8
 
 
-def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str, block_t: int,
-                   t: int, nb: int, interpret: bool):
+def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *rest, fmt: str, block_t: int,
+                   t: int, nb: int, interpret: bool, values: bool):
   f = get_format(fmt)
   recip = functools.partial(reciprocal, interpret=interpret)
+  values_ref, global_ref = (rest[0], rest[1:]) if values else (None, rest)
   b = f.block_size
   nbp = _next_pow2(nb)
   t0 = pl.multiple_of(pl.program_id(0) * block_t, block_t)
@@ -121,14 +140,17 @@ def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str
   bit = jax.lax.broadcasted_iota(jnp.int32, octets.shape, 3)
   store(mant_ref, jnp.sum(octets << bit, axis=-1).astype(jnp.uint8))
   store(scales_ref, scales_TxN)
+  if values:
+    store(values_ref, _values(f, codes, scales_TxN, g_Tx1).astype(values_ref.dtype))
   if global_ref:
     store(global_ref[0], g_Tx1)
 
 
-def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: str, block_t: int,
-                    nb: int, interpret: bool):
+def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *rest, fmt: str, block_t: int,
+                    nb: int, interpret: bool, values: bool):
   f = get_format(fmt)
   recip = functools.partial(reciprocal, interpret=interpret)
+  values_ref, global_ref = (rest[0], rest[1:]) if values else (None, rest)
   b = f.block_size
   t0 = pl.multiple_of(pl.program_id(0) * block_t, block_t)
   rows = pl.ds(t0, block_t)
@@ -152,6 +174,10 @@ def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *global_ref, fmt: st
       byte = byte | ((codes[j + i] & 1) << i)
     mant_ref[rows, pl.ds(j // 8, nb, stride=b // 8)] = byte.astype(jnp.uint8)
   scales_ref[rows, :] = scales
+  if values:
+    for j, c in enumerate(codes):
+      values_ref[rows, pl.ds(j, nb, stride=b)] = _values(
+          f, c[..., None], scales, g)[..., 0].astype(values_ref.dtype)
   if global_ref:
     global_ref[0][rows, :] = g
 
@@ -166,36 +192,42 @@ def _call(kernel, x, out_shapes, grid, num_warps, num_stages, interpret):
       compiler_params=compiler_params, interpret=interpret)(x)
 
 
-_STATIC = ("fmt", "block_t", "num_warps", "num_stages", "interpret")
+_STATIC = ("fmt", "block_t", "num_warps", "num_stages", "interpret", "values")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def quantize_record_blocks(x_TxNxB, *, fmt: str, block_t: int, num_warps: int = 4,
-                           num_stages: int = 1, interpret: bool = False):
+                           num_stages: int = 1, interpret: bool = False, values: bool = False):
   """x [T, nb, B] (any T, nb; block_t a power of two) -> (codes [T, nb, B/2], mant
-  [T, nb, B/8], scales [T, nb], global [T, 1] for NVFP4)."""
+  [T, nb, B/8], scales [T, nb], with `values` x's dequantized values [T, nb, B] in x's dtype,
+  global [T, 1] for NVFP4)."""
   t, nb, b = x_TxNxB.shape
   outs = [jax.ShapeDtypeStruct((t, nb, b // 2), jnp.uint8),
           jax.ShapeDtypeStruct((t, nb, b // 8), jnp.uint8),
           jax.ShapeDtypeStruct((t, nb), jnp.uint8)]
+  if values:
+    outs.append(jax.ShapeDtypeStruct((t, nb, b), x_TxNxB.dtype))
   if fmt == "nvfp4":
     outs.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
   kernel = functools.partial(_blocks_kernel, fmt=fmt, block_t=block_t, t=t, nb=nb,
-                             interpret=interpret)
+                             interpret=interpret, values=values)
   return _call(kernel, x_TxNxB, outs, (pl.cdiv(t, block_t),), num_warps, num_stages, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def quantize_record_strided(x, *, fmt: str, block_t: int = 8, num_warps: int = 4,
-                            num_stages: int = 1, interpret: bool = False):
+                            num_stages: int = 1, interpret: bool = False, values: bool = False):
   """x [T, D] (T a multiple of block_t, D / B a power of two) -> (codes [T, D/2], mant [T, D/8],
-  scales [T, D/B], global [T, 1] for NVFP4)."""
+  scales [T, D/B], with `values` x's dequantized values [T, D] in x's dtype, global [T, 1] for
+  NVFP4)."""
   t, d = x.shape
   nb = d // get_format(fmt).block_size
   outs = [jax.ShapeDtypeStruct((t, d // 2), jnp.uint8),
           jax.ShapeDtypeStruct((t, d // 8), jnp.uint8), jax.ShapeDtypeStruct((t, nb), jnp.uint8)]
+  if values:
+    outs.append(jax.ShapeDtypeStruct((t, d), x.dtype))
   if fmt == "nvfp4":
     outs.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
   kernel = functools.partial(_strided_kernel, fmt=fmt, block_t=block_t, nb=nb,
-                             interpret=interpret)
+                             interpret=interpret, values=values)
   return _call(kernel, x, outs, (t // block_t,), num_warps, num_stages, interpret)

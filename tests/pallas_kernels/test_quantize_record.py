@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.quantize_record import quantize_and_record
-from pallas_kernels.quantize_record.kernel import e2m1_encode
+from pallas_kernels.quantize_record.kernel import e2m1_decode, e2m1_encode
 from trace_jax.quant import dequantize, guided_quant
 from trace_jax.quant.codecs import E2M1
 
@@ -71,6 +71,42 @@ def test_kernel_in_interpret_mode_is_bit_exact(fmt, shape, layout, block_t):
                                 np.asarray(dequantize(qa))[finite])
 
 
+def assert_same_values(got, want):
+  """Bit for bit, NaN for NaN (a NaN's sign and payload are the backend's)."""
+  assert got.shape == want.shape and got.dtype == want.dtype
+  g, w = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+  np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+  ok = ~np.isnan(w)
+  np.testing.assert_array_equal(g[ok].view(np.uint32), w[ok].view(np.uint32))
+
+
+def test_e2m1_decode_is_the_cores_on_every_code():
+  codes = jnp.arange(16, dtype=jnp.int32)
+  np.testing.assert_array_equal(np.asarray(e2m1_decode(codes)).view(np.uint32),
+                                np.asarray(E2M1.decode(codes)).view(np.uint32))
+
+
+# the values the rollout computes with, from the kernel's own codes: the quant core's
+# dequantization in x's dtype, so no XLA pass decodes them again
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape, layout, block_t, dtype", [
+    ((17, 2, 128), "blocks", 4, jnp.float32), ((5, 96), "blocks", None, jnp.bfloat16),
+    ((5, 96), "strided", 8, jnp.bfloat16)])
+def test_values_are_the_cores_dequantization(fmt, shape, layout, block_t, dtype):
+  x = hostile(jax.random.PRNGKey(sum(shape) + 1), shape).astype(dtype)
+  qa, rec, values = quantize_and_record(x, fmt, implementation="pallas", layout=layout,
+                                        block_t=block_t, values=True, interpret=True)
+  want = quantize_and_record(x, fmt, values=True)  # the core's, with values the same way
+  assert_same((qa, rec), want[:2])
+  assert_same_values(values, dequantize(qa).astype(dtype))
+  assert_same_values(want[2], values)
+  from tests.quant.test_magnitudes import magnitudes
+  tiny = jnp.asarray(magnitudes(5, low=True))  # 2^-149 .. 2^-100: NVFP4 computed 2^64 up
+  qa, _, values = quantize_and_record(tiny, fmt, implementation="pallas", layout=layout,
+                                      values=True, interpret=True)
+  assert_same_values(values, dequantize(qa))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("layout", ["blocks", "strided"])
 def test_tiny_rows_in_interpret_mode_are_the_cores(fmt, layout):
@@ -111,10 +147,11 @@ def test_errors():
 def test_kernel_lowers_to_triton(fmt, layout):
   for shape, block_t in [((64, 2048), None), ((4096, 768), None), ((17, 96), 4), ((1, 32), 1)]:
     x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    f = lambda x: quantize_and_record(x, fmt, implementation="pallas", layout=layout,
-                                      block_t=block_t)
-    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in text
+    for values in (False, True):
+      f = lambda x: quantize_and_record(x, fmt, implementation="pallas", layout=layout,
+                                        block_t=block_t, values=values)
+      text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+      assert "xla.gpu.triton" in text
 
 
 @pytest.mark.gpu
@@ -133,3 +170,8 @@ def test_kernel_on_gpu_is_bit_exact(fmt, layout, shape):
   x = tie_rich(jax.random.PRNGKey(11), shape).astype(jnp.bfloat16)  # reciprocals rounded right
   assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout),
               quantize_and_record(x, fmt))
+  for x in (hostile(jax.random.PRNGKey(5), shape).astype(jnp.bfloat16), x):  # and the values
+    qa, rec, values = quantize_and_record(x, fmt, implementation="pallas", layout=layout,
+                                          values=True)
+    assert_same((qa, rec), quantize_and_record(x, fmt))
+    assert_same_values(values, dequantize(qa).astype(x.dtype))

@@ -494,7 +494,7 @@ def test_kernel_switch_leaves_what_no_kernel_takes_to_xla():
   fit: None, and the rollout path computes them with XLA."""
   from pallas_kernels import dispatch as K
   ops = K.make_ops("pallas")
-  from trace_jax.quant import FP8, MXFP4, make_record, quantize
+  from trace_jax.quant import FP8, MXFP4, dequantize, make_record, quantize
   x = jnp.ones((2, 64), jnp.bfloat16)
   assert ops.linear(x, jnp.ones((64, 24), jnp.bfloat16)) is None  # 24 outputs: no tile
   assert ops.linear(x, quantize(jnp.ones((64, 64)), FP8, axis=0)) is None
@@ -512,6 +512,9 @@ def test_kernel_switch_leaves_what_no_kernel_takes_to_xla():
   assert jax.tree.structure(qa) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves((qa, rec)), jax.tree.leaves((want, make_record(want)))):
     np.testing.assert_array_equal(a, b)
+  _, _, y = ops.quantize(x, MXFP4, values=True)  # and the values an engine computes with
+  assert y.dtype == x.dtype
+  np.testing.assert_array_equal(y.astype(jnp.float32), dequantize(want).astype(x.dtype))
 
 
 def _w4a4_rollouts(monkeypatch, max_new_tokens=8):

@@ -42,7 +42,10 @@ class XlaOps:
   def attention(self, q_BxHxDh, k, v, mask_BxS):
     return None
 
-  def quantize(self, x, fmt):
+  def quantize(self, x, fmt, values: bool = False):
+    """x quantized along its last axis and its record, (QArray, Record), by a fused kernel,
+    or None (then the quant core does it); with `values` also what the codes stand for in x's
+    dtype (the values the engine computes with, `quant.dequantize`), (QArray, Record, values)."""
     return None
 
   def activation_stats(self, xq) -> dict:

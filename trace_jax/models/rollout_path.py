@@ -255,19 +255,23 @@ class _RolloutLayer:
     y = self.path.ops.experts(x_RxD, w, rows, xq=self._qarray(x))
     return L.grouped_rows(x_RxD, self.path.ops.dense(w), rows) if y is None else y
 
-  def _quantize(self, x, site):
-    """-> (what to store: QArray or array, the values the engine computes with)."""
+  def _quantize(self, x, site, values=True):
+    """-> (what to store: QArray or array, the values the engine computes with, with
+    `values`)."""
     p = self.path
     fmt = p.recipe.site_format(site, self.rep, p.cfg.n_layers)
     if fmt is BF16:
       return x, x
-    fused = p.ops.quantize(x, fmt)
-    qa, rec = fused if fused is not None else (quant.quantize(x, fmt), None)
+    # a fused kernel writes the values too where it can: no pass of their own
+    fused = p.ops.quantize(x, fmt, values=values)
+    qa, rec, y = (quant.quantize(x, fmt), None, None) if fused is None else (*fused, None)[:3]
     if self.rep in p.record_layers:
       self.records[site] = quant.make_record(qa) if rec is None else rec
     if p.collect_codes:
       self.codes[site] = quant.element_codes(qa)
-    return qa, quant.dequantize(qa).astype(x.dtype)
+    if values and y is None:
+      y = quant.dequantize(qa).astype(x.dtype)
+    return qa, y
 
   def act(self, x, site):
     qa, y = self._quantize(x, site)
@@ -279,7 +283,7 @@ class _RolloutLayer:
 
   def attention(self, q, k, v):
     p = self.path
-    stored = tuple(self._quantize(a, site)[0] for a, site in ((k, "k"), (v, "v")))
+    stored = tuple(self._quantize(a, site, values=False)[0] for a, site in ((k, "k"), (v, "v")))
     if self.carry is None:
       cache = write_slots(self.cache_kv, stored, p.start)
       self.kv = stored if p.cache is None else cache
