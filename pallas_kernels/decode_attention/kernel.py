@@ -158,10 +158,13 @@ def valid_end(mask):
   return jnp.where(jnp.any(mask, axis=1), last, 0).astype(jnp.int32)
 
 
-def combine(o, m, l):
-  """The splits' online-softmax states -> the normalized output [B, Kv, R, Dh] (float32); rows
-  with no valid slot (l = 0 in every split) come out zero."""
+def combine(o, m, l, dh_axis: int = -1):
+  """The splits' online-softmax states (o [splits, B, Kv, R, Dh], m and l [splits, B, Kv, R])
+  -> the normalized output [B, Kv, R, Dh] (float32); rows with no valid slot (l = 0 in every
+  split) come out zero. dh_axis=-2: o is O^T's [splits, B, Kv, Dh, R], and so is the output
+  (read along memory, the transpose left to the smaller result)."""
   m_all = jnp.max(m, axis=0)
   w = jnp.exp(m - m_all)
   l_all = jnp.sum(w * l, axis=0)
-  return jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(l_all, 1e-30)[..., None]
+  per_dh = lambda a: jnp.expand_dims(a, dh_axis)
+  return jnp.sum(per_dh(w) * o, axis=0) / per_dh(jnp.maximum(l_all, 1e-30))

@@ -481,9 +481,11 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
   o_t, m, l = decode_attention_partials(
       q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, b, s),
       _slot_rows(v, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
-  out = kernel.combine(jnp.swapaxes(o_t, -1, -2), m, l)[:, :, :g]
+  # the splits combined along O^T's memory, then its g real rows of 16 transposed
+  out_t = kernel.combine(o_t, m, l, dh_axis=-2)[..., :g]  # [B, Kv, Dh, g]
   if v_in_registers(fmt, dh):  # O^T's rows in `v_rows` order
-    out = out[..., np.argsort(v_rows(dh))]
+    out_t = out_t[:, :, np.argsort(v_rows(dh))]
   elif fmt != "bf16":
-    out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)
-  return out.reshape(b, h, dh).astype(jnp.bfloat16)
+    out_t = jnp.stack([out_t[:, :, :dh // 2], out_t[:, :, dh // 2:]], axis=3).reshape(
+        b, kv, dh, g)
+  return jnp.swapaxes(out_t, -1, -2).reshape(b, h, dh).astype(jnp.bfloat16)
