@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from trace_jax import quant
+from trace_jax.models import layers as L
 from trace_jax.models import stacks
 from trace_jax.models import (QuantRecipe, TrainPath, init_params, logits, pack_weights,
                               parse_layers, preset, qwen3_30b_a3b, small, tiny)
@@ -122,3 +123,41 @@ def test_gate_and_up_take_one_gather_of_the_sorted_tokens():
   tokens = jnp.zeros((2, 5), jnp.int32)
   jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(logits(cfg, p, tokens))))(params).jaxpr
   assert _gathers(jaxpr, (2 * 5, cfg.d_model), (2 * 5 * cfg.top_k, cfg.d_model)) == 1
+
+
+def _primitives(jaxpr, name):
+  """How many `name` primitives a jaxpr and the jaxprs inside it hold."""
+  n = 0
+  for e in jaxpr.eqns:
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else (p,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          n += _primitives(sub, name)
+    n += e.primitive.name == name
+  return n
+
+
+@pytest.mark.parametrize("shape, experts, k", [((64, 1), 128, 8), ((3, 5), 6, 2), ((7,), 16, 1),
+                                               ((2, 9), 16, 16)])
+def test_routing_sorts_once(shape, experts, k):
+  """Top-k ids in ascending order and the dispatch's way back to slot order are what sorts give
+  (ties of probability among them), with one sort a layer: the experts' rows by expert. On the
+  GPU each sort is a kernel of its own, where the ranks and the inverse permutation fuse."""
+  key = jax.random.PRNGKey(sum(shape) + k)
+  probs = jax.nn.softmax(jax.random.normal(key, (*shape, experts)), axis=-1)
+  probs = probs.at[..., 1].set(probs[..., 0])  # a tie
+  idx = L.top_k_experts(probs, k)
+  np.testing.assert_array_equal(idx, jnp.sort(jax.lax.top_k(probs, k)[1], axis=-1))
+  flat = idx.reshape(-1, k)
+  d = L.Dispatch(flat, experts)
+  order = jnp.argsort(flat.reshape(-1), stable=True)
+  np.testing.assert_array_equal(d.order, order)
+  np.testing.assert_array_equal(d.inverse, jnp.argsort(order))
+  np.testing.assert_array_equal(d.group_sizes, jnp.bincount(flat.reshape(-1), length=experts))
+
+  def route(p):
+    d = L.Dispatch(L.top_k_experts(p, k).reshape(-1, k), experts)
+    return d.of_tokens, d.of_slots
+
+  assert _primitives(jax.make_jaxpr(route)(probs).jaxpr, "sort") == 1

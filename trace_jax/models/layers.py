@@ -122,7 +122,11 @@ def router_probs(x_BxTxD: jax.Array, w_DxE: jax.Array) -> jax.Array:
 def top_k_experts(probs_BxTxE: jax.Array, k: int) -> jax.Array:
   """Top-k expert ids per token, in ascending id order (a set: the slot layout of records)."""
   _, idx = jax.lax.top_k(probs_BxTxE, k)
-  return jnp.sort(idx, axis=-1)
+  # a token's ids are distinct: each goes to the place of its rank, the count of smaller ids
+  # (a fusion of compares and sums, where a sort would be a GPU kernel of its own)
+  rank = jnp.sum(idx[..., None, :] < idx[..., :, None], axis=-1)
+  at_rank = rank[..., :, None] == jnp.arange(k)
+  return jnp.sum(jnp.where(at_rank, idx[..., :, None], 0), axis=-2).astype(idx.dtype)
 
 
 def match_experts(idx_BxTxk: jax.Array, ref_BxTxk: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -158,7 +162,9 @@ class Dispatch:
     flat = idx_MxK.reshape(-1)
     self.k = idx_MxK.shape[-1]
     self.order = jnp.argsort(flat, stable=True)
-    self.inverse = jnp.argsort(self.order)
+    # the permutation's inverse by a scatter (a sort would be another GPU kernel)
+    self.inverse = jnp.zeros_like(self.order).at[self.order].set(
+        jnp.arange(flat.size, dtype=self.order.dtype), unique_indices=True)
     self.group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
 
   # one object each (a path that gathers the sorted rows once for gate and up knows them by it)
