@@ -193,6 +193,9 @@ MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
                       for bk, st in [(128, 4), (64, 8), (192, 2)]] + [
     dict(block_k2=bk, max_concurrent_steps=st, row_tiles=rt)  # "halves" weights only
     for rt, bk, st in [(2, 128, 4), (2, 128, 2), (2, 64, 4), (4, 128, 2), (4, 64, 3)]]
+# y's rows written by the kernel (one split), gathered back along rows: no transpose pass
+MOSAIC_GROUPED_FP4 += [dict(block_k2=128, max_concurrent_steps=4, splits=1, out_rows=True),
+                       dict(block_k2=128, max_concurrent_steps=4, splits=1)]
 # the project's Mosaic grouped bf16 kernel (`mosaic.grouped_bf16_matmul`, 16-token tiles, x and
 # the weight both read transposed from shared memory)
 MOSAIC_GROUPED_BF16_PROJECT = [dict(block_k=bk, max_concurrent_steps=st)

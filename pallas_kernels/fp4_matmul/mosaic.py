@@ -144,13 +144,15 @@ def _load(ref, layout):
 
 
 def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n, block_k2,
-          steps, max_concurrent_steps, decode, tile_m=None, order="pairs", row_tiles=1):
+          steps, max_concurrent_steps, decode, tile_m=None, order="pairs", row_tiles=1,
+          out_rows=False):
   """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
   one [64, tile_m] tile of the grouped product: token tile t of x times expert tile_expert[t]'s
   weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
   tiles past the table's last entry (the tiles in use) do nothing. `row_tiles` (the "halves"
   order): that many consecutive 64-row tiles of y^T a block, each with its own accumulator,
-  all from the one x tile the pipeline brings (x read once for them all).
+  all from the one x tile the pipeline brings (x read once for them all). `out_rows` (one
+  split, bf16): the tile goes out as y's [tokens, 64] (`_store_rows`), not y^T's.
 
   Tokens are wgmma's N. x's rows in shared memory are swizzled by their width in bytes (up to
   128), and an instruction must take a whole swizzle's worth of K values: 32-token rows (64
@@ -264,8 +266,11 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
                          *[plgpu.ACC((block_n, width)) for _ in range(row_tiles * groups)])
     for i, acc in enumerate(accs):
       r, c = divmod(i, groups)
-      _store(acc, out_gmem, si, ni * row_tiles + r, block_n,
-             cols=pl.ds((ti if table else c) * width, width))
+      tokens = pl.ds((ti if table else c) * width, width)
+      if out_rows:
+        _store_rows(acc, out_gmem, ni * row_tiles + r, block_n, tokens)
+      else:
+        _store(acc, out_gmem, si, ni * row_tiles + r, block_n, cols=tokens)
 
   if table:
     pl.when(ti < table[0][table[0].shape[0] - 1])(tile)
@@ -283,6 +288,26 @@ def _store(acc, out_gmem, si, ni, block_n, cols=slice(None)):
     o_smem[...] = acc if out_gmem.dtype == jnp.float32 else acc.astype(out_gmem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * block_n, block_n), cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _store_rows(acc, out_gmem, ni, block_n, rows):
+  """The accumulator tile [block_n, M] (of y^T) -> out_gmem[0, rows, ni-th block_n columns] (of
+  y, bf16): the registers shuffled into wgmma's transposed layout and stored through a
+  transposed view of swizzled, 8-row-tiled shared memory (as tokamax's Hopper ragged dot stores
+  its swapped product), then one copy of [M, block_n] rows to global memory."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  m = acc.shape[1]
+  smem = plgpu.SMEM((m, block_n), jnp.bfloat16,
+                    transforms=(plgpu.TilingTransform((8, block_n)),
+                                plgpu.SwizzleTransform(block_n * 2)))
+
+  @functools.partial(pl.run_scoped, o_smem=smem)
+  def _(o_smem):
+    plgpu.transpose_ref(o_smem, (1, 0))[...] = plgpu.layout_cast(
+        acc.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[0, rows, pl.ds(ni * block_n, block_n)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -359,23 +384,27 @@ def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
                                              "max_concurrent_steps", "decode", "order",
-                                             "out_dtype", "row_tiles"))
+                                             "out_dtype", "row_tiles", "out_rows"))
 def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
                                fmt: str, block_k2: int = 128, splits: int = 1,
                                max_concurrent_steps: int = 4, decode: str = "asm",
                                order: str = "pairs", out_dtype=jnp.float32,
-                               row_tiles: int = 1):
+                               row_tiles: int = 1, out_rows: bool = False):
   """The grouped form of `fp4_wgmma_partials`: x in 16-token tiles (`xs`: "pairs" (xe_t, xo_t)
   [K/2, 16 x tiles], "halves" (x,) [16 x tiles, K]), per-expert tiled weights (codes
   [E, N/64, K/64, 64, 32] in that `order`, scales [E, N/64, K/block, 64], globals [E]),
   tile_expert [tiles + 1] (each tile's expert, then the tiles in use) -> float32
   [splits, N, 16 x tiles] partials of y^T (`out_dtype` bf16, with one split: y^T rounded once
   to bf16 in the kernel); the columns of unused tiles are left unwritten. `row_tiles` ("halves"
-  order: 1, 2 or 4): the 64-row tiles of y^T a block computes from one x tile."""
+  order: 1, 2 or 4): the 64-row tiles of y^T a block computes from one x tile. `out_rows` (one
+  split, bf16): y itself, [1, 16 x tiles, N], its unused tiles' rows unwritten."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
   _check_out_dtype(out_dtype, splits)
+  if out_rows and jnp.dtype(out_dtype) != jnp.bfloat16:
+    raise ValueError("out_rows writes y in bf16, from one split: out_dtype must be bfloat16, "
+                     f"got {jnp.dtype(out_dtype).name}")
   k2, r = _x_operands(xs, order, decode)
   e, n = codes.shape[0], codes.shape[1] * 64
   _check_row_tiles(row_tiles, order, codes.shape[1])
@@ -390,7 +419,7 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
-                           tile_m=16, order=order, row_tiles=row_tiles)
+                           tile_m=16, order=order, row_tiles=row_tiles, out_rows=out_rows)
   if order == "halves":
     body = _without_xo(body)
   # the last grid axis is CUDA's x (up to 2^31 blocks), the others y and z (up to 65535): the
@@ -400,7 +429,7 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
       (blocks_n, splits, r // 16), ("n", "s", "t"))
   body.__name__ = "grouped_fp4_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((splits, n, r), out_dtype),
+      body, out_type=jax.ShapeDtypeStruct((1, r, n) if out_rows else (splits, n, r), out_dtype),
       grid=grid, grid_names=names,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -633,14 +662,16 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
                        max_concurrent_steps: int | None = None,
                        decode: str = "asm", row_tiles: int = 1,
                        rows_in: jax.Array | None = None,
-                       rows_out: jax.Array | None = None) -> jax.Array:
+                       rows_out: jax.Array | None = None, out_rows: bool = False) -> jax.Array:
   """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert, or
   the rows rows_in of x with the output's rows_out, composed with the gathers here) for
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
   kernel (compiled Hopper only): each group padded to 16-token tiles, each tile against its
   expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero. A weight in the
   "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are; `row_tiles` 2 or 4
-  computes that many 64-row tiles of the output a block from one x tile (that order only)."""
+  computes that many 64-row tiles of the output a block from one x tile (that order only).
+  `out_rows`: with one split, the kernel writes y's rows (`_store_rows`), which are then
+  gathered along rows, where y^T's columns are gathered and transposed."""
   _check_tiled(w, True, "grouped_fp4_matmul")
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
@@ -659,10 +690,13 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
     xs = _even_odd_columns(x, src)
   splits = splits or default_splits(src.shape[0] // 16, n // (ROWS * row_tiles),
                                     (k // 2) // block_k2, programs=2 * 132, max_splits=8)
+  out_rows = out_rows and splits == 1
   partials = grouped_fp4_wgmma_partials(
       xs, w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt, block_k2=block_k2,
       splits=splits, max_concurrent_steps=stages, decode=decode, order=w.order,
-      out_dtype=_out_dtype(splits), row_tiles=row_tiles)
+      out_dtype=_out_dtype(splits), row_tiles=row_tiles, out_rows=out_rows)
+  if out_rows:  # y's rows gathered (zeros past the groups)
+    return jnp.take(partials[0], dest, axis=0, mode="fill", fill_value=0)
   return _rows_back(partials, dest)  # likewise out: y^T's columns gathered, then transposed
 
 

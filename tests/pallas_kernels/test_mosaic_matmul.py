@@ -323,9 +323,11 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
   w = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 128, fmt), order))
   x = jax.ShapeDtypeStruct((20, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-  kws = [{}, dict(block_k2=64, splits=2)]  # one split (bf16 y^T), two (float32 partials)
+  # one split (bf16 y^T, or y's rows), two (float32 partials)
+  kws = [{}, dict(block_k2=64, splits=2), dict(splits=1, out_rows=True)]
   if order == "halves":  # and two row tiles a block
-    kws += [dict(row_tiles=2), dict(row_tiles=2, block_k2=64, splits=2)]
+    kws += [dict(row_tiles=2), dict(row_tiles=2, block_k2=64, splits=2),
+            dict(row_tiles=2, splits=1, out_rows=True)]
     w4 = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 256, fmt), order))
     f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s, row_tiles=4))
     assert jax.export.export(f, platforms=["cuda"])(x, w4, sizes).out_avals[0].shape == (20, 256)
@@ -342,6 +344,15 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
     out = jax.export.export(part, platforms=["cuda"])(xs, w.codes, w.scales, w.global_scale,
                                                       table).out_avals[0]
     assert (out.shape, out.dtype) == ((splits, 128, 32), dtype)
+  rows = jax.jit(functools.partial(mosaic.grouped_fp4_wgmma_partials, fmt=w.kernel_fmt,
+                                   block_k2=64, order=order, out_dtype=jnp.bfloat16,
+                                   out_rows=True))
+  out = jax.export.export(rows, platforms=["cuda"])(xs, w.codes, w.scales, w.global_scale,
+                                                    table).out_avals[0]
+  assert (out.shape, out.dtype) == ((1, 32, 128), jnp.bfloat16)  # y's rows
+  with pytest.raises(ValueError, match="out_rows writes y in bf16"):
+    mosaic.grouped_fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, table,
+                                      fmt=w.kernel_fmt, block_k2=64, order=order, out_rows=True)
   with pytest.raises(ValueError, match="out_dtype must be float32, or bfloat16 with one split"):
     mosaic.grouped_fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, table,
                                       fmt=w.kernel_fmt, block_k2=64, splits=2, order=order,
@@ -392,9 +403,10 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   want = np.asarray(reference.grouped_fp4_matmul(x, w, gs), np.float32)
-  kws = [dict(splits=None), dict(splits=1)]
+  kws = [dict(splits=None), dict(splits=1), dict(splits=1, out_rows=True)]
   if order == "halves":  # two and four row tiles a block
-    kws += [dict(splits=None, row_tiles=2), dict(splits=1, row_tiles=2), dict(row_tiles=4)]
+    kws += [dict(splits=None, row_tiles=2), dict(splits=1, row_tiles=2), dict(row_tiles=4),
+            dict(splits=1, row_tiles=2, out_rows=True)]
   for kw in kws:
     got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, **kw), np.float32)
     assert not np.isnan(got).any()
@@ -404,9 +416,11 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   rows = routed_rows(e, 16, 2, e, True)  # a MoE dispatch's rows, composed with the tiling
   want = np.asarray(reference.grouped_fp4_matmul(x[:16], w, rows.group_sizes, rows.src,
                                                  rows.back), np.float32)
-  got = np.asarray(mosaic.grouped_fp4_matmul(x[:16], layout.tile(w, order), rows.group_sizes,
-                                             rows_in=rows.src, rows_out=rows.back), np.float32)
-  assert got.shape == (32, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+  for out_rows in (False, True):
+    got = np.asarray(mosaic.grouped_fp4_matmul(x[:16], layout.tile(w, order), rows.group_sizes,
+                                               rows_in=rows.src, rows_out=rows.back, splits=1,
+                                               out_rows=out_rows), np.float32)
+    assert got.shape == (32, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
 def test_jax_grouped_baseline_lowers_for_cuda():
@@ -443,6 +457,9 @@ def _emulated_partials(w_dense, grouped: bool, order: str):
       tile = jnp.arange(r) // 16
       y_t = jnp.einsum("rkn,kr->nr", w32[tile_expert[tile]], xt)
       y_t = jnp.where(tile < tile_expert[-1], y_t, jnp.nan)
+    if kw.get("out_rows"):  # y's rows, from one split, in bf16
+      assert splits == 1 and kw["out_dtype"] == jnp.bfloat16
+      return y_t.T[None].astype(jnp.bfloat16)
     out = jnp.broadcast_to(y_t / splits, (splits, *y_t.shape))  # exact: splits a power of 2
     return out.astype(kw.get("out_dtype", jnp.float32))
 
@@ -479,18 +496,19 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
   sizes = (5, 0, 17, 1)
   x = jax.random.normal(jax.random.PRNGKey(9), (sum(sizes) + 3, 256), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  for splits in (2, 1):  # float32 partials summed; one split's y^T in bf16 from the kernel
+  # float32 partials summed; one split's y^T in bf16 from the kernel, or y's rows
+  for splits, out_rows in ((2, False), (1, False), (1, True)):
     for row_tiles in (1, 2) if order == "halves" else (1,):
       check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=splits,
-                                      row_tiles=row_tiles),
+                                      row_tiles=row_tiles, out_rows=out_rows),
             reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
   # a MoE dispatch's rows: x one row per token (or per slot), its rows gathered into the tiles
   # and the output back in slot order, composed with the wrapper's own gathers
-  for per_token in (True, False):
+  for per_token, out_rows in ((True, False), (False, False), (True, True), (False, True)):
     rows = routed_rows(3, 10, 2, 4, per_token)
     xr = x[:10] if per_token else x[:20]
     check(mosaic.grouped_fp4_matmul(xr, layout.tile(gw, order), rows.group_sizes, splits=1,
-                                    rows_in=rows.src, rows_out=rows.back),
+                                    rows_in=rows.src, rows_out=rows.back, out_rows=out_rows),
           reference.grouped_fp4_matmul(xr, gw, rows.group_sizes, rows.src, rows.back))
 
 
