@@ -64,6 +64,7 @@ MOSAIC = [dict(backend="mosaic", block_k2=bk, splits=sp, max_concurrent_steps=st
           for bk, sp, st, d in [(None, None, None, "asm"), (256, None, 4, "asm"),
                                 (64, None, 8, "asm"), (256, None, 2, "asm"),
                                 (128, None, 4, "jnp")]]
+MOSAIC += [dict(backend="mosaic", out_rows=True)]  # y's rows written, no transpose pass
 MOSAIC_SWEEP = MOSAIC + [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot")]
 MOSAIC_BF16 = [dict(block_k=bk, splits=sp, max_concurrent_steps=st)
                for bk, sp, st in [(128, None, 4), (64, None, 6), (128, 2, 3), (256, None, 3)]]

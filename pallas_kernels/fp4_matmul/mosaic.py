@@ -268,7 +268,7 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
       r, c = divmod(i, groups)
       tokens = pl.ds((ti if table else c) * width, width)
       if out_rows:
-        _store_rows(acc, out_gmem, ni * row_tiles + r, block_n, tokens)
+        _store_rows(acc, out_gmem, si, ni * row_tiles + r, block_n, tokens)
       else:
         _store(acc, out_gmem, si, ni * row_tiles + r, block_n, cols=tokens)
 
@@ -291,23 +291,24 @@ def _store(acc, out_gmem, si, ni, block_n, cols=slice(None)):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _store_rows(acc, out_gmem, ni, block_n, rows):
-  """The accumulator tile [block_n, M] (of y^T) -> out_gmem[0, rows, ni-th block_n columns] (of
-  y, bf16): the registers shuffled into wgmma's transposed layout and stored through a
-  transposed view of swizzled, 8-row-tiled shared memory (as tokamax's Hopper ragged dot stores
-  its swapped product), then one copy of [M, block_n] rows to global memory."""
+def _store_rows(acc, out_gmem, si, ni, block_n, rows):
+  """The accumulator tile [block_n, M] (of y^T) -> out_gmem[si, rows, ni-th block_n columns] (of
+  y, in out_gmem's dtype): the registers shuffled into wgmma's transposed layout and stored
+  through a transposed view of swizzled shared memory tiled in 8 rows of 128 bytes (as
+  tokamax's Hopper ragged dot stores its swapped product), then one copy of [M, block_n] rows
+  to global memory."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  m = acc.shape[1]
-  smem = plgpu.SMEM((m, block_n), jnp.bfloat16,
-                    transforms=(plgpu.TilingTransform((8, block_n)),
-                                plgpu.SwizzleTransform(block_n * 2)))
+  m, dtype = acc.shape[1], out_gmem.dtype
+  smem = plgpu.SMEM((m, block_n), dtype,
+                    transforms=(plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+                                plgpu.SwizzleTransform(128)))
 
   @functools.partial(pl.run_scoped, o_smem=smem)
   def _(o_smem):
     plgpu.transpose_ref(o_smem, (1, 0))[...] = plgpu.layout_cast(
-        acc.astype(jnp.bfloat16), plgpu.Layout.WGMMA_TRANSPOSED)
+        acc.astype(dtype), plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[0, rows, pl.ds(ni * block_n, block_n)])
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, rows, pl.ds(ni * block_n, block_n)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -342,15 +343,16 @@ def _x_operands(xs, order: str, decode: str) -> tuple[int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
-                                             "max_concurrent_steps", "decode", "order"))
+                                             "max_concurrent_steps", "decode", "order",
+                                             "out_rows"))
 def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
                        block_k2: int = 256, splits: int = 1, max_concurrent_steps: int = 4,
-                       decode: str = "asm", order: str = "pairs"):
+                       decode: str = "asm", order: str = "pairs", out_rows: bool = False):
   """x (`xs`: for codes in the "pairs" order x's even and odd K columns transposed, (xe_t,
   xo_t) [K/2, M]; for "halves", (x,) [M, K]; M 16, 32 or a multiple of 32), a weight in the
   layout of `layout.tile` (codes [N/64, K/64, 64, 32] in that `order`, scales
   [N/64, K/block, 64]), NVFP4's float32 global [1] (ignored for MXFP4) -> float32
-  [splits, N, M] partials of y^T.
+  [splits, N, M] partials of y^T (`out_rows`: of y, [splits, M, N]).
   decode: "asm" (the PTX of `_decode_asm`) or "jnp" (integer operations and a select chain)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if fmt not in ("mxfp4", "nvfp4"):
@@ -370,12 +372,13 @@ def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
-                           order=order)
+                           order=order, out_rows=out_rows)
   if order == "halves":
     body = _without_xo(body)
   body.__name__ = "fp4_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
+      body, out_type=jax.ShapeDtypeStruct((splits, m, n) if out_rows else (splits, n, m),
+                                          jnp.float32),
       grid=(n // 64, splits), grid_names=("n", "s"),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -721,12 +724,13 @@ def _transposed(y_t):
 
 def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
                splits: int | None = None, max_concurrent_steps: int | None = None,
-               decode: str = "asm") -> jax.Array:
+               decode: str = "asm", out_rows: bool = False) -> jax.Array:
   """x [..., K] @ W -> [..., N] bf16 for a [K, N] weight in the kernel's layout (`layout.tile`),
   by the wgmma kernel (compiled Hopper only). Tokens go in calls of up to 256 (the instruction's
   N); block_k2 and the steps in flight default to what fits shared memory at that M (`pipeline`).
   decode: "asm" (PTX) or "jnp". A weight in the "halves" order (`layout.ORDERS`) takes x's
-  rows as they are; the "pairs" order x^T's even and odd rows."""
+  rows as they are; the "pairs" order x^T's even and odd rows. `out_rows`: the kernel writes
+  the partials of y's rows (`_store_rows`), summed into y with no transpose pass."""
   _check_tiled(w, False, "fp4_matmul")
   k, n = w.shape
   x2, m, lead = _tokens(x)
@@ -741,7 +745,7 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
   splits = splits or default_splits(1, n // ROWS, (k // 2) // block_k2, programs=2 * 132,
                                         max_splits=8)
 
-  def call(xc):  # -> y^T [N, tokens] in bf16
+  def call(xc):  # -> y^T [N, tokens] (y [tokens, N] with out_rows) in bf16
     if w.order == "halves":
       xs = (xc,)
     else:
@@ -749,9 +753,12 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
       xs = (xt[0::2], xt[1::2])
     partials = fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, fmt=w.kernel_fmt,
                                   block_k2=block_k2, splits=splits, max_concurrent_steps=stages,
-                                  decode=decode, order=w.order)
+                                  decode=decode, order=w.order, out_rows=out_rows)
     return jnp.sum(partials, axis=0).astype(jnp.bfloat16)
 
+  if out_rows:
+    y = call(x2) if x2.ndim == 2 else jax.lax.map(call, x2).reshape(-1, n)
+    return y[:m].reshape(*lead, n)
   y_t = call(x2) if x2.ndim == 2 else jnp.moveaxis(jax.lax.map(call, x2), 0, 1).reshape(n, -1)
   return _transposed(y_t)[:m].reshape(*lead, n)
 

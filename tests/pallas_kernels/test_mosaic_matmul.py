@@ -236,8 +236,9 @@ def test_kernels_lower_for_cuda(fmt, decode, m, order):
   weights in either nibble order (the "halves" one with x's tile read transposed)."""
   w = jax.eval_shape(lambda: layout.tile(kmajor_weight(0, 512, 128, fmt), order))
   x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
-  f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, decode=decode))
-  assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
+  for out_rows in (False, True):  # y^T's partials, or y's (stored transposed)
+    f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, decode=decode, out_rows=out_rows))
+    assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
   if order == "halves" and m <= 40:  # a longer K step: x's tile [tokens, 512]
     g = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, block_k2=256))
     assert jax.export.export(g, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
@@ -261,12 +262,13 @@ def test_fp4_kernel_on_gpu(fmt, m, k, n, block_k2, decode, order):
   weights in either nibble order."""
   w = kmajor_weight(m + k, k, n, fmt)
   x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
-  got = np.asarray(mosaic.fp4_matmul(x, layout.tile(w, order), block_k2=block_k2,
-                                     decode=decode), np.float32)
   want = np.asarray(reference.fp4_matmul(x, w), np.float32)
-  assert not np.isnan(got).any()
-  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
-  assert np.mean(got != want) < 0.05
+  for out_rows in (False, True):  # y^T's partials, or y's (stored transposed)
+    got = np.asarray(mosaic.fp4_matmul(x, layout.tile(w, order), block_k2=block_k2,
+                                       decode=decode, out_rows=out_rows), np.float32)
+    assert not np.isnan(got).any()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+    assert np.mean(got != want) < 0.05
 
 
 @pytest.mark.gpu
@@ -457,9 +459,8 @@ def _emulated_partials(w_dense, grouped: bool, order: str):
       tile = jnp.arange(r) // 16
       y_t = jnp.einsum("rkn,kr->nr", w32[tile_expert[tile]], xt)
       y_t = jnp.where(tile < tile_expert[-1], y_t, jnp.nan)
-    if kw.get("out_rows"):  # y's rows, from one split, in bf16
-      assert splits == 1 and kw["out_dtype"] == jnp.bfloat16
-      return y_t.T[None].astype(jnp.bfloat16)
+    if kw.get("out_rows"):  # y's rows
+      y_t = y_t.T
     out = jnp.broadcast_to(y_t / splits, (splits, *y_t.shape))  # exact: splits a power of 2
     return out.astype(kw.get("out_dtype", jnp.float32))
 
@@ -489,7 +490,9 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
                       _emulated_partials(dequantize(w).astype(jnp.bfloat16), False, order))
   for m in (5, 40, 300):  # one token group, the wide path's M, calls of 256
     x = jax.random.normal(jax.random.PRNGKey(m), (m, 256), jnp.bfloat16)
-    check(mosaic.fp4_matmul(x, layout.tile(w, order), splits=2), reference.fp4_matmul(x, w))
+    for out_rows in (False, True):
+      check(mosaic.fp4_matmul(x, layout.tile(w, order), splits=2, out_rows=out_rows),
+            reference.fp4_matmul(x, w))
   gw = grouped_weight(8, 4, 256, 128, fmt)
   monkeypatch.setattr(mosaic, "grouped_fp4_wgmma_partials",
                       _emulated_partials(dequantize(gw).astype(jnp.bfloat16), True, order))
