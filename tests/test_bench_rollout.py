@@ -191,3 +191,16 @@ def test_decode_ops_counts_what_surrounds_the_kernels_on_hopper():
   assert "| mxfp4:pallas+pairs |" in decode_ops.table(result)
   with pytest.raises(ValueError, match="pallas or triton variant"):
     decode_ops.run(["mxfp4:xla"], layers=1, batch=4, context=16, preset="small")
+
+
+def test_the_kernel_engine_computes_with_the_quantize_kernels_values():
+  """The FP4 engine's activations come out of the quantize-and-record kernel as values too: no
+  XLA pass decodes their codes again (the quant core's E2M1 table look-up and scaling), while
+  XLA's engine does exactly that. `--where` lists each site with the bytes it writes."""
+  from experiments import decode_ops
+  row, = decode_ops.run(["mxfp4:pallas"], layers=1, batch=16, context=123, preset="small",
+                        where=True)["rows"]
+  assert row["kernels"]["_blocks_kernel"] == 6  # attn_in, k, v, attn_out, moe_in, moe_mid
+  sites = {line for _, line, _, _ in row["where"]}
+  assert not [s for s in sites if "decode" in s and "codecs" in s], sorted(sites)
+  assert all(mb >= 0 for *_, mb in row["where"])
