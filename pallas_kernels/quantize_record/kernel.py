@@ -58,12 +58,14 @@ def e2m1_encode(y):
 def e2m1_decode(codes):
   """float32 E2M1 values of codes (int32), as `trace_jax.quant.codecs.E2M1.decode` without its
   table look-up (a gather Triton does not lower): 0.5 m below 2, else (2 + m % 2) 2^(m/2 - 2)
-  for the magnitude code m, the sign from bit 3."""
+  for the magnitude code m, and bit 3 as the sign bit, set in integers (the Triton lowering
+  negates by subtracting from zero, which makes code 8 +0 where the core has -0)."""
   m = codes & 7
   low = m.astype(jnp.float32) * 0.5
   high = (2 + (m & 1)).astype(jnp.float32) * codecs.exp2i((m >> 1) - 2)
-  mag = jnp.where(m < 2, low, high)
-  return jnp.where((codes & 8) != 0, -mag, mag)
+  mag = jax.lax.bitcast_convert_type(jnp.where(m < 2, low, high), jnp.uint32)
+  sign = (codes & 8).astype(jnp.uint32) << 28
+  return jax.lax.bitcast_convert_type(mag | sign, jnp.float32)
 
 
 def _values(f, codes, scales, g):
