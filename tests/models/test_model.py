@@ -97,20 +97,23 @@ def test_parse_layers():
     QuantRecipe(weights="fp4")
 
 
-def _gathers(jaxpr, operand, out):
-  """Gathers from an `operand`-shaped array to an `out`-shaped one in a jaxpr and the jaxprs
-  inside it (a scan's body once)."""
+def _count(jaxpr, match) -> int:
+  """The equations of a jaxpr and of the jaxprs inside it (a scan's body once) that `match`."""
   n = 0
   for e in jaxpr.eqns:
     for p in e.params.values():
       for sub in p if isinstance(p, (list, tuple)) else (p,):
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
-          n += _gathers(sub, operand, out)
-    if e.primitive.name == "gather" and (e.invars[0].aval.shape, e.outvars[0].aval.shape) == (
-        operand, out):
-      n += 1
+          n += _count(sub, match)
+    n += bool(match(e))
   return n
+
+
+def _gathers(jaxpr, operand, out):
+  """Gathers from an `operand`-shaped array to an `out`-shaped one."""
+  return _count(jaxpr, lambda e: e.primitive.name == "gather" and (
+      e.invars[0].aval.shape, e.outvars[0].aval.shape) == (operand, out))
 
 
 def test_gate_and_up_take_one_gather_of_the_sorted_tokens():
@@ -123,19 +126,6 @@ def test_gate_and_up_take_one_gather_of_the_sorted_tokens():
   tokens = jnp.zeros((2, 5), jnp.int32)
   jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(logits(cfg, p, tokens))))(params).jaxpr
   assert _gathers(jaxpr, (2 * 5, cfg.d_model), (2 * 5 * cfg.top_k, cfg.d_model)) == 1
-
-
-def _primitives(jaxpr, name):
-  """How many `name` primitives a jaxpr and the jaxprs inside it hold."""
-  n = 0
-  for e in jaxpr.eqns:
-    for p in e.params.values():
-      for sub in p if isinstance(p, (list, tuple)) else (p,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          n += _primitives(sub, name)
-    n += e.primitive.name == name
-  return n
 
 
 @pytest.mark.parametrize("shape, experts, k", [((64, 1), 128, 8), ((3, 5), 6, 2), ((7,), 16, 1),
@@ -160,4 +150,4 @@ def test_routing_sorts_once(shape, experts, k):
     d = L.Dispatch(L.top_k_experts(p, k).reshape(-1, k), experts)
     return d.of_tokens, d.of_slots
 
-  assert _primitives(jax.make_jaxpr(route)(probs).jaxpr, "sort") == 1
+  assert _count(jax.make_jaxpr(route)(probs).jaxpr, lambda e: e.primitive.name == "sort") == 1
