@@ -151,8 +151,8 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
   tiles past the table's last entry (the tiles in use) do nothing. `row_tiles` (the "halves"
   order): that many consecutive 64-row tiles of y^T a block, each with its own accumulator,
-  all from the one x tile the pipeline brings (x read once for them all). `out_rows` (one
-  split, bf16): the tile goes out as y's [tokens, 64] (`_store_rows`), not y^T's.
+  all from the one x tile the pipeline brings (x read once for them all). `out_rows`: the tile
+  goes out as y's [tokens, 64] (`_store_rows`), not y^T's.
 
   Tokens are wgmma's N. x's rows in shared memory are swizzled by their width in bytes (up to
   128), and an instruction must take a whole swizzle's worth of K values: 32-token rows (64
