@@ -121,8 +121,8 @@ class RolloutEngine:
   quantized site's element codes (large; for the mismatch probe). `attn_chunk`: the sequence
   split of flash-decoding. `kernels`: "xla", "tokamax" (a bf16 baseline: the experts and the
   bf16 decode attention on the tokamax package's kernels, `pallas_kernels.dispatch.TokamaxOps`)
-  or "pallas" for the Pallas matmul, decode attention and quantize-and-record kernels (GPU, or interpret mode elsewhere;
-  `pallas_kernels.dispatch` says which run where and how their numbers relate to XLA's), made
+  or "pallas" for the Pallas matmul, decode attention and quantize-and-record kernels (GPU, or
+  interpret mode elsewhere; `pallas_kernels.dispatch` says which run where and how their numbers relate to XLA's), made
   into the ops object its path computes with (`self.ops`); the Mosaic FP4 matmuls take weights
   packed for them (`pack_weights(..., ops=engine.ops)`), plainly packed ones run the Triton
   kernels. `attention_kernel`: the decode attention's backend under "pallas": "auto" (the
