@@ -665,7 +665,7 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
                        max_concurrent_steps: int | None = None,
                        decode: str = "asm", row_tiles: int = 1,
                        rows_in: jax.Array | None = None,
-                       rows_out: jax.Array | None = None, out_rows: bool = False) -> jax.Array:
+                       rows_out: jax.Array | None = None, out_rows: bool = True) -> jax.Array:
   """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert, or
   the rows rows_in of x with the output's rows_out, composed with the gathers here) for
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
@@ -673,8 +673,9 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero. A weight in the
   "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are; `row_tiles` 2 or 4
   computes that many 64-row tiles of the output a block from one x tile (that order only).
-  `out_rows`: with one split, the kernel writes y's rows (`_store_rows`), which are then
-  gathered along rows, where y^T's columns are gathered and transposed."""
+  `out_rows` (the default; used with one split): the kernel writes y's rows (`_store_rows`),
+  which are then gathered along rows; off, y^T's columns are gathered and transposed (a slower
+  column gather: 56 against 65 us a down call at B = 64 on an H100, BENCHMARKS.md)."""
   _check_tiled(w, True, "grouped_fp4_matmul")
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
@@ -724,13 +725,14 @@ def _transposed(y_t):
 
 def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
                splits: int | None = None, max_concurrent_steps: int | None = None,
-               decode: str = "asm", out_rows: bool = False) -> jax.Array:
+               decode: str = "asm", out_rows: bool = True) -> jax.Array:
   """x [..., K] @ W -> [..., N] bf16 for a [K, N] weight in the kernel's layout (`layout.tile`),
   by the wgmma kernel (compiled Hopper only). Tokens go in calls of up to 256 (the instruction's
   N); block_k2 and the steps in flight default to what fits shared memory at that M (`pipeline`).
   decode: "asm" (PTX) or "jnp". A weight in the "halves" order (`layout.ORDERS`) takes x's
-  rows as they are; the "pairs" order x^T's even and odd rows. `out_rows`: the kernel writes
-  the partials of y's rows (`_store_rows`), summed into y with no transpose pass."""
+  rows as they are; the "pairs" order x^T's even and odd rows. `out_rows` (the default): the
+  kernel writes the partials of y's rows (`_store_rows`), summed into y with no transpose pass;
+  off, the partials of y^T, summed and then transposed."""
   _check_tiled(w, False, "fp4_matmul")
   k, n = w.shape
   x2, m, lead = _tokens(x)

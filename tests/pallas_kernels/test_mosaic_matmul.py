@@ -325,11 +325,11 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
   w = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 128, fmt), order))
   x = jax.ShapeDtypeStruct((20, 256), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-  # one split (bf16 y^T, or y's rows), two (float32 partials)
-  kws = [{}, dict(block_k2=64, splits=2), dict(splits=1, out_rows=True)]
+  # one split (y's rows by default, or bf16 y^T), two (float32 partials)
+  kws = [{}, dict(block_k2=64, splits=2), dict(splits=1, out_rows=False)]
   if order == "halves":  # and two row tiles a block
     kws += [dict(row_tiles=2), dict(row_tiles=2, block_k2=64, splits=2),
-            dict(row_tiles=2, splits=1, out_rows=True)]
+            dict(row_tiles=2, splits=1, out_rows=False)]
     w4 = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 256, fmt), order))
     f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s, row_tiles=4))
     assert jax.export.export(f, platforms=["cuda"])(x, w4, sizes).out_avals[0].shape == (20, 256)
@@ -405,10 +405,10 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   want = np.asarray(reference.grouped_fp4_matmul(x, w, gs), np.float32)
-  kws = [dict(splits=None), dict(splits=1), dict(splits=1, out_rows=True)]
+  kws = [dict(splits=None), dict(splits=1), dict(splits=1, out_rows=False)]  # rows, then y^T
   if order == "halves":  # two and four row tiles a block
     kws += [dict(splits=None, row_tiles=2), dict(splits=1, row_tiles=2), dict(row_tiles=4),
-            dict(splits=1, row_tiles=2, out_rows=True)]
+            dict(splits=1, row_tiles=2, out_rows=False)]
   for kw in kws:
     got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, **kw), np.float32)
     assert not np.isnan(got).any()
