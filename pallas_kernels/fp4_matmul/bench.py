@@ -196,7 +196,10 @@ MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
     for rt, bk, st in [(2, 128, 4), (2, 128, 2), (2, 64, 4), (4, 128, 2), (4, 64, 3)]]
 # y's rows written by the kernel (one split), gathered back along rows: no transpose pass
 MOSAIC_GROUPED_FP4 += [dict(block_k2=128, max_concurrent_steps=4, splits=1, out_rows=True),
-                       dict(block_k2=128, max_concurrent_steps=4, splits=1)]
+                       dict(block_k2=128, max_concurrent_steps=4, splits=1, out_rows=False)]
+# 8-token tiles ("halves" weights only): each expert's rows padded to a multiple of 8
+MOSAIC_GROUPED_FP4 += [dict(splits=1, tile_m=8), dict(block_k2=64, splits=1, tile_m=8),
+                       dict(tile_m=8)]
 # the project's Mosaic grouped bf16 kernel (`mosaic.grouped_bf16_matmul`, 16-token tiles, x and
 # the weight both read transposed from shared memory)
 MOSAIC_GROUPED_BF16_PROJECT = [dict(block_k=bk, max_concurrent_steps=st)
@@ -311,8 +314,8 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         for order in (FP4_ORDER,) if engine else layout.ORDERS:
           tiled = [layout.tile(w, order) for w in ws]  # outside the timing
           label = f"mosaic {fmt}" + ("" if order == "pairs" else f" {order}")
-          for cfg in [{}] if engine else [c for c in MOSAIC_GROUPED_FP4
-                                          if order == "halves" or "row_tiles" not in c]:
+          for cfg in [{}] if engine else [c for c in MOSAIC_GROUPED_FP4 if order == "halves"
+                                          or "row_tiles" not in c and "tile_m" not in c]:
             mgpu4 = lambda a, w, cfg=cfg: mosaic.grouped_fp4_matmul(a[0], w, a[1], **cfg)
             _attempt(result, f"{name} M={m} {label} {cfg}",
                      lambda: row(label, mgpu4, tiled, ws[0].nbytes / EXPERTS, fmt, cfg))

@@ -387,20 +387,23 @@ def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
                                              "max_concurrent_steps", "decode", "order",
-                                             "out_dtype", "row_tiles", "out_rows"))
+                                             "out_dtype", "row_tiles", "out_rows",
+                                             "tile_m"))
 def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
                                fmt: str, block_k2: int = 128, splits: int = 1,
                                max_concurrent_steps: int = 4, decode: str = "asm",
                                order: str = "pairs", out_dtype=jnp.float32,
-                               row_tiles: int = 1, out_rows: bool = False):
-  """The grouped form of `fp4_wgmma_partials`: x in 16-token tiles (`xs`: "pairs" (xe_t, xo_t)
-  [K/2, 16 x tiles], "halves" (x,) [16 x tiles, K]), per-expert tiled weights (codes
-  [E, N/64, K/64, 64, 32] in that `order`, scales [E, N/64, K/block, 64], globals [E]),
+                               row_tiles: int = 1, out_rows: bool = False, tile_m: int = 16):
+  """The grouped form of `fp4_wgmma_partials`: x in tile_m-token tiles (`xs`: "pairs" (xe_t,
+  xo_t) [K/2, tile_m x tiles], "halves" (x,) [tile_m x tiles, K]), per-expert tiled weights
+  (codes [E, N/64, K/64, 64, 32] in that `order`, scales [E, N/64, K/block, 64], globals [E]),
   tile_expert [tiles + 1] (each tile's expert, then the tiles in use) -> float32
-  [splits, N, 16 x tiles] partials of y^T (`out_dtype` bf16, with one split: y^T rounded once
-  to bf16 in the kernel); the columns of unused tiles are left unwritten. `row_tiles` ("halves"
-  order: 1, 2 or 4): the 64-row tiles of y^T a block computes from one x tile. `out_rows` (one
-  split, bf16): y itself, [1, 16 x tiles, N], its unused tiles' rows unwritten."""
+  [splits, N, tile_m x tiles] partials of y^T (`out_dtype` bf16, with one split: y^T rounded
+  once to bf16 in the kernel); the columns of unused tiles are left unwritten. `row_tiles`
+  ("halves" order: 1, 2 or 4): the 64-row tiles of y^T a block computes from one x tile.
+  `out_rows` (one split, bf16): y itself, [1, tile_m x tiles, N], its unused tiles' rows
+  unwritten. `tile_m`: 16 tokens a tile (wgmma's N), or 8 ("halves" order only): each expert's
+  rows padded to a multiple of 8, half the padding where experts get a few rows each."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
@@ -411,25 +414,28 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
   k2, r = _x_operands(xs, order, decode)
   e, n = codes.shape[0], codes.shape[1] * 64
   _check_row_tiles(row_tiles, order, codes.shape[1])
+  _check_tile_m(tile_m, order)
   want = (e, n // 64, k2 // (16 if fmt == "mxfp4" else 8), 64)
-  if (codes.shape[2:] != (k2 // CHUNK, 64, CHUNK) or scales.shape != want or r % 16
-      or tile_expert.shape != (r // 16 + 1,) or k2 % (block_k2 * splits) or block_k2 % CHUNK):
+  if (codes.shape[2:] != (k2 // CHUNK, 64, CHUNK) or scales.shape != want or r % tile_m
+      or tile_expert.shape != (r // tile_m + 1,) or k2 % (block_k2 * splits)
+      or block_k2 % CHUNK):
     raise ValueError(f"the grouped wgmma kernel needs tiled {fmt} codes [E, N/64, K/64, 64, 32] "
                      f"and scales {want} (got {codes.shape}, {scales.shape} for K/2 = {k2}), "
-                     f"x in 16-token tiles with one table entry a tile and one more (got {r} "
+                     f"x in {tile_m}-token tiles with one table entry a tile and one more (got {r} "
                      f"columns, {tile_expert.shape} entries), K/2 divisible by block_k2 "
                      f"({block_k2}, a multiple of {CHUNK}) x splits ({splits})")
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
-                           tile_m=16, order=order, row_tiles=row_tiles, out_rows=out_rows)
+                           tile_m=tile_m, order=order, row_tiles=row_tiles, out_rows=out_rows)
   if order == "halves":
     body = _without_xo(body)
   # the last grid axis is CUDA's x (up to 2^31 blocks), the others y and z (up to 65535): the
   # token tiles go on x when there are more (prefill)
   blocks_n = n // (64 * row_tiles)
-  grid, names = ((blocks_n, r // 16, splits), ("n", "t", "s")) if r // 16 <= 65535 else (
-      (blocks_n, splits, r // 16), ("n", "s", "t"))
+  tiles = r // tile_m
+  grid, names = ((blocks_n, tiles, splits), ("n", "t", "s")) if tiles <= 65535 else (
+      (blocks_n, splits, tiles), ("n", "s", "t"))
   body.__name__ = "grouped_fp4_wgmma"  # the kernel's name in profiles
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((1, r, n) if out_rows else (splits, n, r), out_dtype),
@@ -438,6 +444,12 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(*xs, codes.reshape(-1, *codes.shape[2:]), scales.reshape(-1, *scales.shape[2:]),
     jnp.reshape(global_scale, (e,)).astype(jnp.float32), tile_expert.astype(jnp.int32))
+
+
+def _check_tile_m(tile_m: int, order: str):
+  if tile_m not in (8, 16) or tile_m == 8 and order != "halves":
+    raise ValueError(f"tile_m must be 16, or 8 for a weight in the 'halves' order; got {tile_m} "
+                     f"for the {order!r} order")
 
 
 def _check_row_tiles(row_tiles: int, order: str, n_tiles: int):
@@ -665,11 +677,13 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
                        max_concurrent_steps: int | None = None,
                        decode: str = "asm", row_tiles: int = 1,
                        rows_in: jax.Array | None = None,
-                       rows_out: jax.Array | None = None, out_rows: bool = True) -> jax.Array:
+                       rows_out: jax.Array | None = None, out_rows: bool = True,
+                       tile_m: int = 16) -> jax.Array:
   """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert, or
   the rows rows_in of x with the output's rows_out, composed with the gathers here) for
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
-  kernel (compiled Hopper only): each group padded to 16-token tiles, each tile against its
+  kernel (compiled Hopper only): each group padded to tile_m-token tiles (16, or 8 for "halves"
+  weights: `grouped_fp4_wgmma_partials`), each tile against its
   expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero. A weight in the
   "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are; `row_tiles` 2 or 4
   computes that many 64-row tiles of the output a block from one x tile (that order only).
@@ -682,23 +696,24 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
     raise ValueError(f"grouped_fp4_matmul takes x [T, {k}] and group_sizes [{e}] for this "
                      f"weight, got x {x.shape} and group_sizes {group_sizes.shape}")
   _check_row_tiles(row_tiles, w.order, n // ROWS)
-  block_k2, stages = pipeline(16, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps,
+  _check_tile_m(tile_m, w.order)
+  block_k2, stages = pipeline(tile_m, k // 2, w.kernel_fmt, block_k2, max_concurrent_steps,
                               row_tiles)
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
-  src, tile_expert, dest = tile_rows(group_sizes, sorted_rows(x, rows_in), 16, rows_in, rows_out,
-                                     x.shape[0])
-  if w.order == "halves":  # the padded rows gathered, [16 x tiles, K]: one pass
+  src, tile_expert, dest = tile_rows(group_sizes, sorted_rows(x, rows_in), tile_m, rows_in,
+                                     rows_out, x.shape[0])
+  if w.order == "halves":  # the padded rows gathered, [tile_m x tiles, K]: one pass
     xs = (_tiled_rows(x, src),)
   else:
     xs = _even_odd_columns(x, src)
-  splits = splits or default_splits(src.shape[0] // 16, n // (ROWS * row_tiles),
+  splits = splits or default_splits(src.shape[0] // tile_m, n // (ROWS * row_tiles),
                                     (k // 2) // block_k2, programs=2 * 132, max_splits=8)
   out_rows = out_rows and splits == 1
   partials = grouped_fp4_wgmma_partials(
       xs, w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt, block_k2=block_k2,
       splits=splits, max_concurrent_steps=stages, decode=decode, order=w.order,
-      out_dtype=_out_dtype(splits), row_tiles=row_tiles, out_rows=out_rows)
+      out_dtype=_out_dtype(splits), row_tiles=row_tiles, out_rows=out_rows, tile_m=tile_m)
   if out_rows:  # y's rows gathered (zeros past the groups)
     return jnp.take(partials[0], dest, axis=0, mode="fill", fill_value=0)
   return _rows_back(partials, dest)  # likewise out: y^T's columns gathered, then transposed

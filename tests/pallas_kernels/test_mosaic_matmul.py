@@ -327,9 +327,10 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
   # one split (y's rows by default, or bf16 y^T), two (float32 partials)
   kws = [{}, dict(block_k2=64, splits=2), dict(splits=1, out_rows=False)]
-  if order == "halves":  # and two row tiles a block
+  if order == "halves":  # and two row tiles a block; 8-token tiles
     kws += [dict(row_tiles=2), dict(row_tiles=2, block_k2=64, splits=2),
-            dict(row_tiles=2, splits=1, out_rows=False)]
+            dict(row_tiles=2, splits=1, out_rows=False), dict(tile_m=8),
+            dict(tile_m=8, out_rows=False), dict(tile_m=8, block_k2=64, splits=2)]
     w4 = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 256, fmt), order))
     f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s, row_tiles=4))
     assert jax.export.export(f, platforms=["cuda"])(x, w4, sizes).out_avals[0].shape == (20, 256)
@@ -362,6 +363,9 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
   with pytest.raises(ValueError, match="row_tiles must be 1, or 2 or 4 dividing the 64-row"):
     mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((4,), jnp.int32),
                               row_tiles=2 if order == "pairs" else 3)
+  with pytest.raises(ValueError, match="tile_m must be 16, or 8 for a weight in the 'halves'"):
+    mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((4,), jnp.int32),
+                              tile_m=8 if order == "pairs" else 32)
   with pytest.raises(ValueError, match="group_sizes"):
     mosaic.grouped_fp4_matmul(jnp.zeros((20, 256)), w, jnp.zeros((3,), jnp.int32))
   with pytest.raises(ValueError, match="per-expert"):
@@ -397,8 +401,8 @@ def test_dispatch_takes_tiled_weights(fmt):
 @pytest.mark.parametrize("sizes,k,n", [((5, 0, 17, 1), 2048, 768), ((40, 3, 0, 9), 768, 2048)])
 def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   """Ragged and empty groups, rows past the groups (zeros), against XLA's dequantize-ragged_dot;
-  with the default splits (4 and 1 at these sizes) and one split (y^T written in bf16), and
-  ("halves") two and four row tiles a block."""
+  with the default splits (4 and 1 at these sizes) and one split (y's rows, or y^T, written in
+  bf16), and ("halves") two and four row tiles a block, and 8-token tiles."""
   e = len(sizes)
   w = grouped_weight(k + n, e, k, n, fmt)
   t = sum(sizes) + 3
@@ -408,7 +412,8 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   kws = [dict(splits=None), dict(splits=1), dict(splits=1, out_rows=False)]  # rows, then y^T
   if order == "halves":  # two and four row tiles a block
     kws += [dict(splits=None, row_tiles=2), dict(splits=1, row_tiles=2), dict(row_tiles=4),
-            dict(splits=1, row_tiles=2, out_rows=False)]
+            dict(splits=1, row_tiles=2, out_rows=False), dict(splits=None, tile_m=8),
+            dict(splits=1, tile_m=8), dict(splits=1, tile_m=8, out_rows=False)]
   for kw in kws:
     got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, **kw), np.float32)
     assert not np.isnan(got).any()
@@ -418,10 +423,10 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   rows = routed_rows(e, 16, 2, e, True)  # a MoE dispatch's rows, composed with the tiling
   want = np.asarray(reference.grouped_fp4_matmul(x[:16], w, rows.group_sizes, rows.src,
                                                  rows.back), np.float32)
-  for out_rows in (False, True):
+  for out_rows, tile_m in ((False, 16), (True, 16)) + (((True, 8),) if order == "halves" else ()):
     got = np.asarray(mosaic.grouped_fp4_matmul(x[:16], layout.tile(w, order), rows.group_sizes,
                                                rows_in=rows.src, rows_out=rows.back, splits=1,
-                                               out_rows=out_rows), np.float32)
+                                               out_rows=out_rows, tile_m=tile_m), np.float32)
     assert got.shape == (32, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
 
 
@@ -445,7 +450,7 @@ def _emulated_partials(w_dense, grouped: bool, order: str):
   for); the columns of unused token tiles NaN (poison: the wrappers must not read them)."""
   w32 = jnp.asarray(w_dense, jnp.float32)
 
-  def partials(xs, codes, scales, global_scale, *table, splits, **kw):
+  def partials(xs, codes, scales, global_scale, *table, splits, tile_m=16, **kw):
     assert kw["order"] == order and len(xs) == (2 if order == "pairs" else 1)
     if order == "pairs":
       k2, r = xs[0].shape
@@ -456,7 +461,7 @@ def _emulated_partials(w_dense, grouped: bool, order: str):
       y_t = w32.T @ xt
     else:
       tile_expert, = table
-      tile = jnp.arange(r) // 16
+      tile = jnp.arange(r) // tile_m
       y_t = jnp.einsum("rkn,kr->nr", w32[tile_expert[tile]], xt)
       y_t = jnp.where(tile < tile_expert[-1], y_t, jnp.nan)
     if kw.get("out_rows"):  # y's rows
@@ -501,18 +506,20 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
   gs = jnp.asarray(sizes, jnp.int32)
   # float32 partials summed; one split's y^T in bf16 from the kernel, or y's rows
   for splits, out_rows in ((2, False), (1, False), (1, True)):
-    for row_tiles in (1, 2) if order == "halves" else (1,):
+    for row_tiles, tile_m in ((1, 16), (2, 16), (1, 8)) if order == "halves" else ((1, 16),):
       check(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs, splits=splits,
-                                      row_tiles=row_tiles, out_rows=out_rows),
+                                      row_tiles=row_tiles, out_rows=out_rows, tile_m=tile_m),
             reference.grouped_fp4_matmul(x, gw, gs), sum(sizes))
   # a MoE dispatch's rows: x one row per token (or per slot), its rows gathered into the tiles
   # and the output back in slot order, composed with the wrapper's own gathers
   for per_token, out_rows in ((True, False), (False, False), (True, True), (False, True)):
     rows = routed_rows(3, 10, 2, 4, per_token)
     xr = x[:10] if per_token else x[:20]
-    check(mosaic.grouped_fp4_matmul(xr, layout.tile(gw, order), rows.group_sizes, splits=1,
-                                    rows_in=rows.src, rows_out=rows.back, out_rows=out_rows),
-          reference.grouped_fp4_matmul(xr, gw, rows.group_sizes, rows.src, rows.back))
+    for tile_m in (16, 8) if order == "halves" else (16,):
+      check(mosaic.grouped_fp4_matmul(xr, layout.tile(gw, order), rows.group_sizes, splits=1,
+                                      rows_in=rows.src, rows_out=rows.back, out_rows=out_rows,
+                                      tile_m=tile_m),
+            reference.grouped_fp4_matmul(xr, gw, rows.group_sizes, rows.src, rows.back))
 
 
 def test_grouped_bf16_kernel_lowers_for_cuda_and_names_what_is_wrong():
