@@ -683,8 +683,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   the rows rows_in of x with the output's rows_out, composed with the gathers here) for
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
   kernel (compiled Hopper only): each group padded to tile_m-token tiles (16, or 8 for "halves"
-  weights: `grouped_fp4_wgmma_partials`), each tile against its
-  expert's weight -> [T, N] bf16; rows past sum(group_sizes) come out zero. A weight in the
+  weights: `grouped_fp4_wgmma_partials`), each tile against its expert's weight -> [T, N]
+  bf16; rows past sum(group_sizes) come out zero. A weight in the
   "halves" order (`layout.ORDERS`) takes the gathered rows of x as they are; `row_tiles` 2 or 4
   computes that many 64-row tiles of the output a block from one x tile (that order only).
   `out_rows` (the default; used with one split): the kernel writes y's rows (`_store_rows`),
