@@ -243,8 +243,8 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
   ragged_dot), by the Triton kernel with its default tiles and by the project's Mosaic kernel
   on weights in either nibble order (`layout.ORDERS`; each of MOSAIC_GROUPED_FP4). `engine`:
   only what the rollout engine runs, with its defaults (no JAX or project Mosaic bf16 kernel,
-  the engine's nibble order). `skip`: variants to leave out, by the start of their name (the
-  xla references always run). Bytes moved count
+  the engine's nibble order). `skip`: variants to leave out, by the start of their name,
+  torch's among them (the xla references always run). Bytes moved count
   the weights of the experts hit (distinct among the routed rows), activations and outputs;
   each xla row is the reference of the rows after it."""
   key = jax.random.PRNGKey(0)
@@ -298,12 +298,14 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
         own16 = lambda a, w, cfg=cfg: mosaic.grouped_bf16_matmul(a[0], w, a[1], **cfg)
         _attempt(result, f"{name} M={m} mosaic bf16 {cfg}",
                  lambda: row("mosaic bf16", own16, w16, k * n * 2, "bf16", cfg))
-      timed = torch_grouped(xs[0], w16[0], xs[1], copies, refs.get("bf16"))
+      torch_row = "torch bf16 grouped_mm"
+      timed = (None if torch_row.startswith(tuple(skip)) else
+               torch_grouped(xs[0], w16[0], xs[1], copies, refs.get("bf16")))
       if isinstance(timed, str):
         if timed not in result.setdefault("notes", []):
           result["notes"].append(timed)
-      else:
-        _record(result, name, m, "torch bf16 grouped_mm", (timed[0], None),
+      elif timed is not None:
+        _record(result, name, m, torch_row, (timed[0], None),
                 hit * k * n * 2 + t * (k + n) * 2, timed[1], extra)
       for fmt, ws in packed.items():
         xla = lambda a, w: reference.grouped_fp4_matmul(a[0], w, a[1])
