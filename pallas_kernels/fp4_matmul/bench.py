@@ -64,7 +64,7 @@ MOSAIC = [dict(backend="mosaic", block_k2=bk, splits=sp, max_concurrent_steps=st
           for bk, sp, st, d in [(None, None, None, "asm"), (256, None, 4, "asm"),
                                 (64, None, 8, "asm"), (256, None, 2, "asm"),
                                 (128, None, 4, "jnp")]]
-MOSAIC += [dict(backend="mosaic", out_rows=True)]  # y's rows written, no transpose pass
+MOSAIC += [dict(backend="mosaic", out_rows=False)]  # y^T written, then transposed
 MOSAIC_SWEEP = MOSAIC + [dict(block_n=64, rows=32, num_warps=4, num_stages=4, variant="dot")]
 MOSAIC_BF16 = [dict(block_k=bk, splits=sp, max_concurrent_steps=st)
                for bk, sp, st in [(128, None, 4), (64, None, 6), (128, 2, 3), (256, None, 3)]]
@@ -194,9 +194,9 @@ MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
                       for bk, st in [(128, 4), (64, 8), (192, 2)]] + [
     dict(block_k2=bk, max_concurrent_steps=st, row_tiles=rt)  # "halves" weights only
     for rt, bk, st in [(2, 128, 4), (2, 128, 2), (2, 64, 4), (4, 128, 2), (4, 64, 3)]]
-# y's rows written by the kernel (one split), gathered back along rows: no transpose pass
-MOSAIC_GROUPED_FP4 += [dict(block_k2=128, max_concurrent_steps=4, splits=1, out_rows=True),
-                       dict(block_k2=128, max_concurrent_steps=4, splits=1, out_rows=False)]
+# y^T written by the kernel (one split), its columns gathered back and transposed (the
+# configs above write y's rows, the default)
+MOSAIC_GROUPED_FP4 += [dict(block_k2=128, max_concurrent_steps=4, splits=1, out_rows=False)]
 # 8-token tiles ("halves" weights only): each expert's rows padded to a multiple of 8
 MOSAIC_GROUPED_FP4 += [dict(splits=1, tile_m=8), dict(block_k2=64, splits=1, tile_m=8),
                        dict(tile_m=8)]

@@ -122,12 +122,13 @@ class RolloutEngine:
   split of flash-decoding. `kernels`: "xla", "tokamax" (a bf16 baseline: the experts and the
   bf16 decode attention on the tokamax package's kernels, `pallas_kernels.dispatch.TokamaxOps`)
   or "pallas" for the Pallas matmul, decode attention and quantize-and-record kernels (GPU, or
-  interpret mode elsewhere; `pallas_kernels.dispatch` says which run where and how their numbers relate to XLA's), made
-  into the ops object its path computes with (`self.ops`); the Mosaic FP4 matmuls take weights
-  packed for them (`pack_weights(..., ops=engine.ops)`), plainly packed ones run the Triton
-  kernels. `attention_kernel`: the decode attention's backend under "pallas": "auto" (the
-  Mosaic kernel for MXFP4 caches on Hopper, the Triton one otherwise, as measured), "triton" or
-  "mosaic" (on Hopper; Triton elsewhere). `scan_decode`: the decode step (and `extend`) as one
+  interpret mode elsewhere; `pallas_kernels.dispatch` says which run where and how their
+  numbers relate to XLA's), made into the ops object its path computes with (`self.ops`); the
+  Mosaic FP4 matmuls take weights packed for them (`pack_weights(..., ops=engine.ops)`),
+  plainly packed ones run the Triton kernels. `attention_kernel`: the decode attention's
+  backend under "pallas": "auto" (the Mosaic kernel for MXFP4 caches on Hopper, the Triton
+  one otherwise, as measured), "triton" or "mosaic" (on Hopper; Triton elsewhere).
+  `scan_decode`: the decode step (and `extend`) as one
   `lax.scan` per run of layers over a cache stacked per run (compiled once whatever the depth;
   its weights best stacked too: `pack_weights(..., stacked=True)`), or layer by layer over a
   per-layer cache (False, the default). The prefill always scans. Both compute the same values.
