@@ -206,6 +206,12 @@ MOSAIC_GROUPED_BF16_PROJECT = [dict(block_k=bk, max_concurrent_steps=st)
                                for bk, st in [(128, 4), (64, 8), (256, 2)]]
 
 
+def weight_copies(k: int, n: int) -> int:
+  """The weight copies a grouped row cycles through: the experts one token hits (TOP_K) in all
+  of them past the L2 cache, at least 4."""
+  return max(4, int(np.ceil(200e6 / (TOP_K * k * n * 2))))
+
+
 def routing(key, m: int, experts: int, top_k: int) -> jax.Array:
   """group_sizes [E] int32 for M tokens, each routed to top_k distinct experts drawn uniformly
   (T = top_k x M rows, sorted by expert)."""
@@ -253,7 +259,7 @@ def run_grouped(quick: bool = False, shapes: list[str] | None = None,
   shapes = {k: v for k, v in GROUPED_SHAPES.items() if not shapes or k.split()[0] in shapes}
   fmts = [f for f in (MXFP4, NVFP4_TENSOR) if not formats or f.name in formats]
   for name, (k, n) in shapes.items():
-    copies = max(4, int(np.ceil(200e6 / (TOP_K * k * n * 2))))  # M = 1 hits TOP_K experts
+    copies = weight_copies(k, n)
     kw, kx = jax.random.split(jax.random.fold_in(key, k * n))
     w16, packed = [], {f.name: [] for f in fmts}
     for i in range(copies):

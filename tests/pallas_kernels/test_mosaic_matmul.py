@@ -596,3 +596,22 @@ def test_grouped_bf16_kernel_on_gpu(sizes, k, n):
   got = np.asarray(mosaic.grouped_bf16_matmul(x[:16], w, rows.group_sizes, rows_in=rows.src,
                                               rows_out=rows.back), np.float32)
   assert got.shape == (32, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_grouped_bench_skips_torch_by_name(monkeypatch):
+  """`bench --grouped --skip=torch` leaves torch's grouped_mm out like any other variant."""
+  from pallas_kernels.fp4_matmul import bench
+
+  def torch_grouped(*_):
+    raise AssertionError("torch's row was timed though --skip named it")
+
+  monkeypatch.setattr(bench, "torch_grouped", torch_grouped)
+  monkeypatch.setattr(bench, "copy_bandwidth", lambda *_: 1.0)
+  monkeypatch.setattr(bench, "weight_copies", lambda *_: 2)
+  monkeypatch.setattr(bench, "EXPERTS", 4)
+  monkeypatch.setattr(bench, "TOP_K", 2)
+  monkeypatch.setattr(bench, "GROUPED_SHAPES", {"down 64x128": (64, 128)})
+  result = bench.run_grouped(batches=[2], formats=["mxfp4"], engine=True,
+                             skip=("torch", "pallas", "mosaic"))
+  assert [r["variant"] for r in result["rows"]] == ["xla bf16 ragged_dot",
+                                                    "xla mxfp4 dequant+ragged_dot"]
