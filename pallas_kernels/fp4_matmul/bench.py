@@ -441,7 +441,8 @@ def table(result: dict) -> str:
            if "block_n" in r and "rows" in r else
            " " + " ".join(f"{key}={r[key]}" for key in ("block_m", "block_n", "block_k2",
                                                       "block_k", "splits",
-                                                      "max_concurrent_steps", "transpose_rhs",
+                                                      "max_concurrent_steps", "row_tiles",
+                                                      "tile_m", "out_rows", "transpose_rhs",
                                                       "decode", "kernel")
                           if r.get(key) is not None))
     routed = f" T={r['T']} hit={r['experts_hit']}" if "experts_hit" in r else ""

@@ -615,3 +615,18 @@ def test_grouped_bench_skips_torch_by_name(monkeypatch):
                              skip=("torch", "pallas", "mosaic"))
   assert [r["variant"] for r in result["rows"]] == ["xla bf16 ragged_dot",
                                                     "xla mxfp4 dequant+ragged_dot"]
+
+
+def test_bench_table_names_every_config_key():
+  """The bench's printed table tells apart rows that differ only in a config key (tile_m,
+  row_tiles, out_rows as well as the block shapes)."""
+  from pallas_kernels.fp4_matmul import bench
+  base = {"shape": "down 768x2048", "M": 64, "variant": "mosaic mxfp4 halves", "us": 50.0,
+          "wall_us": 90.0, "GB/s": 1.0, "copy_frac": 0.5, "rel_err": 0.0, "kernels_us": {},
+          "T": 512, "experts_hit": 124, "splits": 1}
+  cfgs = [{}, {"tile_m": 8}, {"row_tiles": 2}, {"out_rows": False}, {"block_k2": 64}]
+  result = {"device": "test", "jax": "0", "copy_bytes_per_s": 1e12,
+            "rows": [dict(base, **c) for c in cfgs]}
+  lines = bench.table(result).splitlines()[2:]  # the same numbers: only labels can differ
+  assert len(set(lines)) == len(cfgs), lines
+  assert "tile_m=8" in lines[1] and "row_tiles=2" in lines[2] and "out_rows=False" in lines[3]
