@@ -189,7 +189,8 @@ GROUPED_SHAPES = {"gate/up 2048x768": (2048, 768), "down 768x2048": (768, 2048)}
 MOSAIC_GROUPED_BF16 = [dict(block_m=64, block_n=bn, block_k=bk, max_concurrent_steps=st)
                        for bn, bk, st in [(128, 64, 4), (128, 128, 4), (64, 128, 6), (256, 64, 4)]]
 MOSAIC_GROUPED_BF16 += [dict(MOSAIC_GROUPED_BF16[0], transpose_rhs=True)]
-# the project's Mosaic grouped FP4 kernel (`mosaic.grouped_fp4_matmul`, 16-token tiles)
+# the project's Mosaic grouped FP4 kernel (`mosaic.grouped_fp4_matmul`: 8-token tiles for
+# "halves" weights, 16 for "pairs", its defaults)
 MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
                       for bk, st in [(128, 4), (64, 8), (192, 2)]] + [
     dict(block_k2=bk, max_concurrent_steps=st, row_tiles=rt)  # "halves" weights only
@@ -197,9 +198,10 @@ MOSAIC_GROUPED_FP4 = [dict(block_k2=bk, max_concurrent_steps=st)
 # y^T written by the kernel (one split), its columns gathered back and transposed (the
 # configs above write y's rows, the default)
 MOSAIC_GROUPED_FP4 += [dict(block_k2=128, max_concurrent_steps=4, splits=1, out_rows=False)]
-# 8-token tiles ("halves" weights only): each expert's rows padded to a multiple of 8
-MOSAIC_GROUPED_FP4 += [dict(splits=1, tile_m=8), dict(block_k2=64, splits=1, tile_m=8),
-                       dict(tile_m=8)]
+# 16-token tiles for "halves" weights (8 by default): each expert's rows padded to a multiple
+# of 16
+MOSAIC_GROUPED_FP4 += [dict(splits=1, tile_m=16), dict(block_k2=64, splits=1, tile_m=16),
+                       dict(tile_m=16)]
 # the project's Mosaic grouped bf16 kernel (`mosaic.grouped_bf16_matmul`, 16-token tiles, x and
 # the weight both read transposed from shared memory)
 MOSAIC_GROUPED_BF16_PROJECT = [dict(block_k=bk, max_concurrent_steps=st)

@@ -402,7 +402,7 @@ def test_dispatch_takes_tiled_weights(fmt):
 def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   """Ragged and empty groups, rows past the groups (zeros), against XLA's dequantize-ragged_dot;
   with the default splits (4 and 1 at these sizes) and one split (y's rows, or y^T, written in
-  bf16), and ("halves") two and four row tiles a block, and 8-token tiles."""
+  bf16), and ("halves") two and four row tiles a block, and 16-token tiles (8 its default)."""
   e = len(sizes)
   w = grouped_weight(k + n, e, k, n, fmt)
   t = sum(sizes) + 3
@@ -412,8 +412,8 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
   kws = [dict(splits=None), dict(splits=1), dict(splits=1, out_rows=False)]  # rows, then y^T
   if order == "halves":  # two and four row tiles a block
     kws += [dict(splits=None, row_tiles=2), dict(splits=1, row_tiles=2), dict(row_tiles=4),
-            dict(splits=1, row_tiles=2, out_rows=False), dict(splits=None, tile_m=8),
-            dict(splits=1, tile_m=8), dict(splits=1, tile_m=8, out_rows=False)]
+            dict(splits=1, row_tiles=2, out_rows=False), dict(splits=None, tile_m=16),
+            dict(splits=1, tile_m=16), dict(splits=1, tile_m=16, out_rows=False)]
   for kw in kws:
     got = np.asarray(mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, **kw), np.float32)
     assert not np.isnan(got).any()
@@ -520,6 +520,31 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
                                       rows_in=rows.src, rows_out=rows.back, out_rows=out_rows,
                                       tile_m=tile_m),
             reference.grouped_fp4_matmul(xr, gw, rows.group_sizes, rows.src, rows.back))
+
+
+@pytest.mark.parametrize("order,tile_m", [("halves", 8), ("pairs", 16)])
+def test_grouped_wrapper_tiles_halves_weights_by_8_tokens(order, tile_m, monkeypatch):
+  """By default the grouped wrapper pads each expert's rows to 8-token tiles for "halves"
+  weights (the engine's order; measured faster at decode) and 16 for "pairs" (the only size
+  that order's kernel takes), and the result is the reference's either way."""
+  from trace_jax.quant import dequantize
+  gw = grouped_weight(8, 4, 256, 128, MXFP4)
+  emulated = _emulated_partials(dequantize(gw).astype(jnp.bfloat16), True, order)
+  seen = []
+
+  def partials(*args, tile_m, **kw):
+    seen.append((tile_m, args[0][0].shape))
+    return emulated(*args, tile_m=tile_m, **kw)
+
+  monkeypatch.setattr(mosaic, "grouped_fp4_wgmma_partials", partials)
+  sizes = (5, 0, 17, 1)
+  x = jax.random.normal(jax.random.PRNGKey(9), (sum(sizes), 256), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  got = np.float32(mosaic.grouped_fp4_matmul(x, layout.tile(gw, order), gs))
+  want = np.float32(reference.grouped_fp4_matmul(x, gw, gs))
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+  padded = seen[0][1][0] if order == "halves" else seen[0][1][1]  # x's rows in tiles
+  assert seen[0][0] == tile_m and padded == (-(-sum(sizes) // tile_m) + len(sizes)) * tile_m
 
 
 def test_grouped_bf16_kernel_lowers_for_cuda_and_names_what_is_wrong():
