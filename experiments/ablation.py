@@ -23,7 +23,9 @@ so the runs after the first of a family and mode load theirs instead of compilin
 its output in <run dir>/train.log): on one GPU the processes share it, each with 1/N of its
 memory, and one compiles or steps on the host while another runs on the device; the results
 are then read as above. A SIGTERM or Ctrl-C stops the running ones after their step in flight,
-with a checkpoint, and rerunning the command resumes them.
+with a checkpoint, records the runs that had finished (summary.json and curves.json: what a
+machine that is given back after a time limit leaves behind) and exits; rerunning the command
+resumes the others.
 
 Writes <out>/summary.json (the table's numbers, each run's config and command, the commit and
 package versions), <out>/curves.json (experiments/curves.py: the per-run curves, small enough
@@ -360,16 +362,14 @@ def main(argv=None):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   start = time.time()
   summary["provenance"] = provenance()
-  failed = []
+  failed, stopped = [], None
   if args.jobs > 1:
     try:
       failed = train_in_processes(
           _to_train(summary, families, modes, seeds, args), args.jobs,
           None if cache == "none" else os.path.abspath(cache))
-    except Interrupted as e:  # each run checkpointed where it stopped
-      print(f"stopped by {signal.Signals(e.signum).name}; rerunning the same command resumes "
-            f"every run", file=sys.stderr, flush=True)
-      sys.exit(128 + e.signum)
+    except Interrupted as e:  # each run checkpointed where it stopped; those that had
+      stopped = e.signum      # finished are recorded below, before the exit
   for family in families:
     fam = summary.setdefault(family, {"runs": {}, "final_eval_accuracy": {}})
     fam_runs = runs.setdefault(family, {})
@@ -388,6 +388,8 @@ def main(argv=None):
             print(f"== {family} / {mode} / seed {seed}: kept from {curves.SUMMARY} (its run "
                   f"directory is not here; remove the entry to rerun it)", flush=True)
             continue
+          if stopped is not None:  # trains no more after a stop
+            continue
           print(f"== {family} / {mode} / seed {seed} -> {workdir}", flush=True)
           train(c, workdir, progress=False)
         fam["runs"][key], fam_runs[key] = run_results(family, mode, seed, workdir, c,
@@ -404,8 +406,15 @@ def main(argv=None):
       first = _headline(fam, mode, fresh)
       if mode == "trace_all" and first in fresh:
         fam["probe"] = probe(os.path.join(args.out, family, mode, f"seed{first}"))
+    if stopped is not None and not fam["runs"]:  # nothing of it finished yet
+      del summary[family], runs[family]
     summary["runtime_s"] = time.time() - start
     curves.write(args.out, summary, runs)
+  if stopped is not None:
+    print(f"stopped by {signal.Signals(stopped).name}; the runs that had finished are in "
+          f"{os.path.join(args.out, curves.SUMMARY)}, and rerunning the same command resumes "
+          f"every other run", file=sys.stderr, flush=True)
+    sys.exit(128 + stopped)
   _report(figures.load(args.out), args)  # of every family the results hold, kept ones too
   print(f"done in {summary['runtime_s'] / 60:.1f} min")
   if failed:

@@ -107,3 +107,41 @@ def test_runs_stop_when_the_ablation_is_killed(tmp_path):
   pool.kill()  # SIGKILL: nothing of the ablation's own runs
   pool.wait(timeout=30)
   assert _stopped_by_sigterm(tmp_path, 0) and _stopped_by_sigterm(tmp_path, 1)
+
+
+def test_a_stopped_jobs_invocation_records_the_runs_that_finished(tmp_path, monkeypatch, capsys):
+  """--jobs=2 stopped by a signal while one run had finished and another had not: the finished
+  one's results are in summary.json before the ablation exits (the machine it ran on may be
+  gone before a rerun), the unfinished one is neither recorded nor trained in this process."""
+  out = tmp_path / "results"
+  done, trained = str(out / "reasoning" / "bf16" / "seed0"), []
+
+  def stopped(runs, jobs, cache=None):  # bf16 trained to its end, trace_all stopped midway
+    assert [name for name, *_ in runs] == ["reasoning/bf16/seed0", "reasoning/trace_all/seed0"]
+    for _, _, workdir in runs:
+      os.makedirs(workdir)
+    trained.append(done)
+    raise ablation.Interrupted(signal.SIGTERM)
+
+  def results(family, mode, seed, workdir, c, smoke=False, scale="cpu"):
+    assert workdir == done, f"read the results of {workdir}, which did not finish"
+    return {"eval_accuracy_after": 0.25, "config_arg": ablation.config_arg(
+        family, mode, seed, smoke, scale)}, {"step": [1]}
+
+  def train(*_, **__):
+    raise AssertionError("an unfinished run was trained in the ablation's process after a stop")
+
+  monkeypatch.setattr(ablation, "train_in_processes", stopped)
+  monkeypatch.setattr(ablation, "finished", lambda workdir, c: workdir in trained)
+  monkeypatch.setattr(ablation, "run_results", results)
+  monkeypatch.setattr(ablation, "fp4_eval", lambda workdir: 0.125)
+  monkeypatch.setattr(ablation, "train", train)
+  with pytest.raises(SystemExit) as stop:
+    ablation.main(["--smoke", f"--out={out}", f"--figures={tmp_path / 'f'}", "--jobs=2",
+                   "--families=reasoning", "--modes=bf16,trace_all", "--compile_cache=none",
+                   f"--data_dir={tmp_path / 'tfds'}"])
+  assert stop.value.code == 128 + signal.SIGTERM
+  summary = json.load(open(out / "summary.json"))
+  assert set(summary["reasoning"]["runs"]) == {"bf16/seed0"}
+  assert summary["reasoning"]["runs"]["bf16/seed0"]["posthoc_fp4_accuracy"] == 0.125
+  assert "rerunning the same command resumes" in capsys.readouterr().err
