@@ -4,7 +4,10 @@ Both return the quant core's `(QArray, Record)` for x quantized along its last a
 `values=True` also the values the codes stand for in x's dtype (`dequantize(qa)`: what a
 rollout computes with); "xla" is the core itself (any backend), "pallas" the fused kernel (GPU,
 or interpret=True anywhere), in the layout `layout` (kernel.py: "blocks", or the first
-version's "strided"), which writes the values from its own codes.
+version's "strided"), which writes the values from its own codes. With `rms_norm=(w, eps)`
+what is quantized is x's RMSNorm (`reference.rms_norm`; the model's norm before the attention
+and before the experts), which the "blocks" kernel computes on the tile it loads: one kernel
+where the norm was a pass of its own; `normed=True` also returns the normed x.
 """
 
 from __future__ import annotations
@@ -22,27 +25,39 @@ IMPLEMENTATIONS = ("xla", "pallas")
 
 def quantize_and_record(x: jax.Array, fmt: str, *, implementation: str = "xla",
                         layout: str = "blocks", block_t: int | None = None, num_warps: int = 4,
-                        interpret: bool = False, values: bool = False):
+                        interpret: bool = False, values: bool = False,
+                        rms_norm: tuple[jax.Array, float] | None = None, normed: bool = False):
   """x [..., D] -> (codes, scales and global as a QArray, and its Record), quantized along D;
   with `values`, (QArray, Record, its values [..., D] in x's dtype). block_t: tokens a program
-  (a power of two; None: `kernel.default_block_t`)."""
+  (a power of two; None: `kernel.default_block_t`). `rms_norm` (w [D], eps): x's RMSNorm is
+  quantized, and with `normed` returned after the Record (before the values)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if layout not in kernel.LAYOUTS:
     raise ValueError(f"layout must be one of {kernel.LAYOUTS}, got {layout!r}")
   reference.check(x, fmt)
+  if rms_norm is not None and rms_norm[0].shape != x.shape[-1:]:
+    raise ValueError(f"rms_norm's weight must be [{x.shape[-1]}] for x {x.shape}, got "
+                     f"{rms_norm[0].shape}")
+  if normed and rms_norm is None:
+    raise ValueError("normed=True returns the RMSNorm's output: it needs rms_norm=(w, eps)")
+  if rms_norm is not None and implementation == "pallas" and layout != "blocks":
+    raise ValueError("rms_norm runs in the 'blocks' layout's kernel only")
   if implementation == "xla":
-    qa, rec = reference.quantize_and_record(x, fmt)
-    return (qa, rec, dequantize(qa).astype(x.dtype)) if values else (qa, rec)
+    xn = x if rms_norm is None else reference.rms_norm(x, *rms_norm)
+    qa, rec = reference.quantize_and_record(xn, fmt)
+    return ((qa, rec) + ((xn,) if normed else ())
+            + ((dequantize(qa).astype(x.dtype),) if values else ()))
   lead, d = x.shape[:-1], x.shape[-1]
   t = math.prod(lead)
   f = get_format(fmt)
   b, nb = f.block_size, d // f.block_size
   block_t = block_t or kernel.default_block_t(layout, d)
   if layout == "blocks":  # masks its own edges: no padding, only free reshapes
-    outs = kernel.quantize_record_blocks(x.reshape(t, nb, b), fmt=fmt, block_t=block_t,
-                                         num_warps=num_warps, interpret=interpret,
-                                         values=values)
+    norm = {} if rms_norm is None else dict(norm_eps=float(rms_norm[1]), normed=normed)
+    outs = kernel.quantize_record_blocks(
+        x.reshape(t, nb, b), None if rms_norm is None else rms_norm[0].reshape(nb, b), fmt=fmt,
+        block_t=block_t, num_warps=num_warps, interpret=interpret, values=values, **norm)
     outs = [o.reshape(t, -1) for o in outs]
   else:
     # power-of-two tiles only: pad D to a power of two of blocks with zero blocks (quantized on
@@ -52,7 +67,7 @@ def quantize_and_record(x: jax.Array, fmt: str, *, implementation: str = "xla",
     x2 = jnp.pad(x.reshape(t, d), ((0, tp - t), (0, dp - d)))
     outs = kernel.quantize_record_strided(x2, fmt=fmt, block_t=block_t, num_warps=num_warps,
                                           interpret=interpret, values=values)
-  widths = (d // 2, d // 8, nb) + ((d,) if values else ())
+  widths = (d // 2, d // 8, nb) + ((d,) if normed else ()) + ((d,) if values else ())
   codes, mant, scales, *y = (o[:t, :w].reshape(*lead, w) for o, w in zip(outs, widths))
   g = outs[len(widths)][:t].reshape(*lead, 1) if fmt == "nvfp4" else None
   out = (QArray(codes=codes, scales=scales, global_scale=g, fmt=f, axis=-1),

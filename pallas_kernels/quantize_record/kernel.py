@@ -100,10 +100,13 @@ def default_block_t(layout: str, d: int) -> int:
   return max(1, 4096 // _next_pow2(d)) if layout == "blocks" else 8
 
 
-def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *rest, fmt: str, block_t: int,
-                   t: int, nb: int, interpret: bool, values: bool):
+def _blocks_kernel(x_ref, *refs, fmt: str, block_t: int, t: int, nb: int, interpret: bool,
+                   values: bool, norm_eps: float | None = None, normed: bool = False):
   f = get_format(fmt)
   recip = functools.partial(reciprocal, interpret=interpret)
+  w_ref, refs = (refs[0], refs[1:]) if norm_eps is not None else (None, refs)
+  codes_ref, mant_ref, scales_ref, *rest = refs
+  normed_ref, rest = (rest[0], rest[1:]) if normed else (None, rest)
   values_ref, global_ref = (rest[0], rest[1:]) if values else (None, rest)
   b = f.block_size
   nbp = _next_pow2(nb)
@@ -126,8 +129,12 @@ def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *rest, fmt: str, bloc
   shape = (block_t, nbp, b)
   m = mask(shape)
   x_TxNxB = pltriton.load(x_ref.at[pl.ds(t0, block_t), pl.ds(0, nbp), :], mask=m,
-                          other=None if m is None else 0).astype(jnp.float32)
-  x_TxNxB = codecs.flush_subnormal(x_TxNxB)
+                          other=None if m is None else 0)
+  if norm_eps is not None:  # the RMSNorm before the quantization, as `reference.rms_norm`
+    x_TxNxB = _rms_norm(x_TxNxB, w_ref, nb, norm_eps)
+    if normed:
+      store(normed_ref, x_TxNxB)
+  x_TxNxB = codecs.flush_subnormal(x_TxNxB.astype(jnp.float32))
   a = jnp.abs(x_TxNxB)
   finite = a <= _F32_MAX  # NaN compares false
   amax_TxN = jnp.max(jnp.where(finite, a, 0.0), axis=-1)
@@ -146,6 +153,20 @@ def _blocks_kernel(x_ref, codes_ref, mant_ref, scales_ref, *rest, fmt: str, bloc
     store(values_ref, _values(f, codes, scales_TxN, g_Tx1).astype(values_ref.dtype))
   if global_ref:
     store(global_ref[0], g_Tx1)
+
+
+def _rms_norm(x_TxNxB, w_ref, nb: int, eps: float):
+  """`reference.rms_norm` of a tile holding whole tokens (blocks past nb zero): the mean of
+  squares in float32 over the token's nb x B elements, x times its reciprocal square root cast
+  back to x's dtype, then times the weight in that dtype."""
+  nbp, b = x_TxNxB.shape[1:]
+  in_nb = None if nbp == nb else jax.lax.broadcasted_iota(jnp.int32, (nbp, b), 0) < nb
+  w_NxB = pltriton.load(w_ref.at[pl.ds(0, nbp), :], mask=in_nb,
+                        other=None if in_nb is None else 0)
+  xf = x_TxNxB.astype(jnp.float32)
+  ms = jnp.sum(jnp.sum(xf * xf, axis=2), axis=1) / (nb * b)
+  xf = xf * jax.lax.rsqrt(ms + eps)[:, None, None]
+  return w_NxB.astype(x_TxNxB.dtype)[None] * xf.astype(x_TxNxB.dtype)
 
 
 def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *rest, fmt: str, block_t: int,
@@ -184,36 +205,48 @@ def _strided_kernel(x_ref, codes_ref, mant_ref, scales_ref, *rest, fmt: str, blo
     global_ref[0][rows, :] = g
 
 
-def _call(kernel, x, out_shapes, grid, num_warps, num_stages, interpret):
+def _call(kernel, inputs, out_shapes, grid, num_warps, num_stages, interpret):
   compiler_params = None
   if not interpret:
     compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=[pl.no_block_spec],
+      kernel, grid=grid, in_specs=[pl.no_block_spec] * len(inputs),
       out_specs=[pl.no_block_spec] * len(out_shapes), out_shape=out_shapes,
-      compiler_params=compiler_params, interpret=interpret)(x)
+      compiler_params=compiler_params, interpret=interpret)(*inputs)
 
 
 _STATIC = ("fmt", "block_t", "num_warps", "num_stages", "interpret", "values")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def quantize_record_blocks(x_TxNxB, *, fmt: str, block_t: int, num_warps: int = 4,
-                           num_stages: int = 1, interpret: bool = False, values: bool = False):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("norm_eps", "normed"))
+def quantize_record_blocks(x_TxNxB, norm_w_NxB=None, *, fmt: str, block_t: int,
+                           num_warps: int = 4, num_stages: int = 1, interpret: bool = False,
+                           values: bool = False, norm_eps: float | None = None,
+                           normed: bool = False):
   """x [T, nb, B] (any T, nb; block_t a power of two) -> (codes [T, nb, B/2], mant
   [T, nb, B/8], scales [T, nb], with `values` x's dequantized values [T, nb, B] in x's dtype,
-  global [T, 1] for NVFP4)."""
+  global [T, 1] for NVFP4). With `norm_eps`, what is quantized is x's RMSNorm with the weight
+  norm_w [nb, B] (`reference.rms_norm`), and with `normed` that is returned too, in x's dtype,
+  before the values."""
   t, nb, b = x_TxNxB.shape
+  norm = norm_eps is not None
+  if norm != (norm_w_NxB is not None) or normed and not norm:
+    raise ValueError("an RMSNorm before the quantization takes both norm_w and norm_eps "
+                     "(and `normed` returns its output)")
   outs = [jax.ShapeDtypeStruct((t, nb, b // 2), jnp.uint8),
           jax.ShapeDtypeStruct((t, nb, b // 8), jnp.uint8),
           jax.ShapeDtypeStruct((t, nb), jnp.uint8)]
+  if normed:
+    outs.append(jax.ShapeDtypeStruct((t, nb, b), x_TxNxB.dtype))
   if values:
     outs.append(jax.ShapeDtypeStruct((t, nb, b), x_TxNxB.dtype))
   if fmt == "nvfp4":
     outs.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
   kernel = functools.partial(_blocks_kernel, fmt=fmt, block_t=block_t, t=t, nb=nb,
-                             interpret=interpret, values=values)
-  return _call(kernel, x_TxNxB, outs, (pl.cdiv(t, block_t),), num_warps, num_stages, interpret)
+                             interpret=interpret, values=values, norm_eps=norm_eps,
+                             normed=normed)
+  inputs = (x_TxNxB,) + ((norm_w_NxB,) if norm else ())
+  return _call(kernel, inputs, outs, (pl.cdiv(t, block_t),), num_warps, num_stages, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -232,4 +265,4 @@ def quantize_record_strided(x, *, fmt: str, block_t: int = 8, num_warps: int = 4
     outs.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
   kernel = functools.partial(_strided_kernel, fmt=fmt, block_t=block_t, nb=nb,
                              interpret=interpret, values=values)
-  return _call(kernel, x, outs, (t // block_t,), num_warps, num_stages, interpret)
+  return _call(kernel, (x,), outs, (t // block_t,), num_warps, num_stages, interpret)

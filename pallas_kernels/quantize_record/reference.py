@@ -8,6 +8,7 @@ global). The kernel must emit the same bytes.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from trace_jax.quant import QArray, Record, get_format, make_record, quantize
 
@@ -21,6 +22,15 @@ def check(x: jax.Array, fmt: str) -> None:
   if x.ndim < 1 or x.shape[-1] % block:
     raise ValueError(f"{fmt} quantizes the last axis in blocks of {block}: it must divide the "
                      f"last dimension of x, shape {x.shape}")
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """Qwen3's RMSNorm along the last axis, the model's arithmetic (`trace_jax.models.layers`):
+  the mean of squares in float32, x times its reciprocal square root cast back to x's dtype,
+  then times the weight in that dtype."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return w.astype(x.dtype) * xf.astype(x.dtype)
 
 
 def quantize_and_record(x: jax.Array, fmt: str) -> tuple[QArray, Record]:

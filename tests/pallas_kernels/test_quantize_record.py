@@ -197,3 +197,81 @@ def test_kernel_on_gpu_is_bit_exact(fmt, layout, shape):
                                           values=True)
     assert_same((qa, rec), quantize_and_record(x, fmt))
     assert_same_values(values, dequantize(qa).astype(x.dtype))
+
+
+def _norm_inputs(shape, seed):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  x = (jax.random.normal(k1, shape) * 3.0).astype(jnp.bfloat16)
+  w = (1.0 + 0.2 * jax.random.normal(k2, shape[-1:])).astype(jnp.bfloat16)
+  return x, w
+
+
+def _check_norm_then_quantize(fmt, x, w, **kw):
+  """The kernel's normed x is the model's RMSNorm of x (all but a few last-bit differences of
+  its float32 sum order), and its codes, record and values are exactly the core's of the
+  normed x it wrote: the norm and the quantization of one kernel agree with each other."""
+  from trace_jax.models.layers import rms_norm
+  eps = 1e-6
+  qa, rec, xn, values = quantize_and_record(x, fmt, implementation="pallas", values=True,
+                                            rms_norm=(w, eps), normed=True, **kw)
+  want = np.asarray(rms_norm(x, w, eps), np.float32)
+  got = np.asarray(xn, np.float32)
+  assert xn.dtype == x.dtype and np.mean(got != want) < 1e-3
+  np.testing.assert_allclose(got, want, rtol=2 ** -7)
+  assert_same((qa, rec), quantize_and_record(xn, fmt))
+  assert_same_values(values, dequantize(qa).astype(x.dtype))
+  qa2, rec2 = quantize_and_record(x, fmt, implementation="pallas", rms_norm=(w, eps), **kw)
+  assert_same((qa2, rec2), (qa, rec))  # the same codes without the extra outputs
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape, block_t", [((5, 96), None), ((17, 2, 256), 4)])
+def test_norm_then_quantize_in_one_kernel(fmt, shape, block_t):
+  """RMSNorm in the quantize kernel (the model's norms before the attention and the experts):
+  blocks past a power of two (96 = 3 blocks of 32) and tokens past the last full tile."""
+  x, w = _norm_inputs(shape, sum(shape))
+  _check_norm_then_quantize(fmt, x, w, block_t=block_t, interpret=True)
+  eps = 1e-6  # the xla implementation: the reference norm, then the core
+  from pallas_kernels.quantize_record import reference
+  assert_same(quantize_and_record(x, fmt, rms_norm=(w, eps)),
+              quantize_and_record(reference.rms_norm(x, w, eps), fmt))
+
+
+def test_the_kernels_norm_is_the_models():
+  """`reference.rms_norm` is the model's RMSNorm, bit for bit."""
+  from pallas_kernels.quantize_record import reference
+  from trace_jax.models.layers import rms_norm
+  x, w = _norm_inputs((7, 2048), 3)
+  np.testing.assert_array_equal(np.asarray(reference.rms_norm(x, w, 1e-6), np.float32),
+                                np.asarray(rms_norm(x, w, 1e-6), np.float32))
+
+
+def test_norm_errors():
+  x, w = _norm_inputs((5, 64), 0)
+  with pytest.raises(ValueError, match=r"rms_norm's weight must be \[64\]"):
+    quantize_and_record(x, "mxfp4", rms_norm=(w[:32], 1e-6))
+  with pytest.raises(ValueError, match="normed=True .* needs rms_norm"):
+    quantize_and_record(x, "mxfp4", normed=True)
+  with pytest.raises(ValueError, match="'blocks' layout's kernel only"):
+    quantize_and_record(x, "mxfp4", implementation="pallas", layout="strided",
+                        rms_norm=(w, 1e-6))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_norm_then_quantize_lowers_to_triton(fmt):
+  for shape, block_t in [((64, 2048), None), ((17, 96), 4)]:
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(shape[-1:], jnp.bfloat16)
+    for normed in (False, True):
+      f = lambda x, w: quantize_and_record(x, fmt, implementation="pallas", block_t=block_t,
+                                           values=True, rms_norm=(w, 1e-6), normed=normed)
+      text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+      assert "xla.gpu.triton" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(1, 2048), (64, 2048), (1000, 768)])
+def test_norm_then_quantize_on_gpu(fmt, shape):
+  x, w = _norm_inputs(shape, shape[0])
+  _check_norm_then_quantize(fmt, x, w)
