@@ -168,15 +168,17 @@ def _experts(x_RxD: jax.Array, w, rows) -> jax.Array | None:
                 interpret=_interpret(), **tiles)
 
 
-def _quantize(x: jax.Array, fmt: Format, values: bool = False):
+def _quantize(x: jax.Array, fmt: Format, values: bool = False, rms_norm=None):
   """x quantized along its last axis (an activation or a K/V site) and its record, by the fused
   quantize-and-record kernel, or None where the kernel takes no such format or size; the same
   codes, scales and record bits as `quant.quantize` and `quant.make_record`, and with `values`
-  the values `quant.dequantize` gives them, in x's dtype, written by the same kernel."""
+  the values `quant.dequantize` gives them, in x's dtype, written by the same kernel. With
+  `rms_norm` (w, eps) the kernel quantizes x's RMSNorm, which it computes and returns too (the
+  model's norm before the attention and the experts: no pass of its own)."""
   if fmt.name not in _RECORD_FORMATS or x.shape[-1] % fmt.block_size:
     return None
   return quantize_and_record(x, fmt.name, implementation="pallas", interpret=_interpret(),
-                             values=values)
+                             values=values, rms_norm=rms_norm, normed=rms_norm is not None)
 
 
 # the Mosaic attention skips only whole splits past a sequence's end: splits of at most this
@@ -312,8 +314,8 @@ class KernelOps(XlaOps):
   def attention(self, q_BxHxDh, k, v, mask_BxS):
     return _attention(q_BxHxDh, k, v, mask_BxS, backend=self.attention_kernel)
 
-  def quantize(self, x, fmt, values: bool = False):
-    return _quantize(x, fmt, values)
+  def quantize(self, x, fmt, values: bool = False, rms_norm=None):
+    return _quantize(x, fmt, values, rms_norm)
 
 
 class TokamaxOps(XlaOps):

@@ -230,6 +230,27 @@ def test_pallas_kernels_compute_what_xla_computes(precision):
   _assert_same_rollouts(*_kernel_rollouts(precision))
 
 
+def test_the_norms_before_attention_and_experts_run_in_the_quantize_kernel(monkeypatch):
+  """Under kernels="pallas" the RMSNorm before the attention and the one before the experts
+  are computed by the quantize kernel of the site they feed (attn_in, moe_in), one call each a
+  layer; the other sites' quantizations take no norm."""
+  from pallas_kernels import dispatch
+  calls = []
+  quantize = dispatch.quantize_and_record
+
+  def spy(x, fmt, **kw):
+    calls.append((x.shape[-1], kw.get("rms_norm") is not None))
+    return quantize(x, fmt, **kw)
+
+  monkeypatch.setattr(dispatch, "quantize_and_record", spy)
+  cfg, _ = policy()
+  _kernel_rollouts("mxfp4", max_new_tokens=2, backends=("pallas",))
+  normed = [d for d, norm in calls if norm]
+  assert normed and set(normed) == {cfg.d_model}
+  # two norms in each traced layer (a scan traces its layer once), the other sites without
+  assert len(normed) % 2 == 0 and len(calls) > len(normed)
+
+
 def _assert_same_rollouts(xla, pallas):
   np.testing.assert_array_equal(np.asarray(pallas.tokens), np.asarray(xla.tokens))
   np.testing.assert_allclose(np.asarray(pallas.logp), np.asarray(xla.logp), atol=1e-5)

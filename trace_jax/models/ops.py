@@ -42,10 +42,12 @@ class XlaOps:
   def attention(self, q_BxHxDh, k, v, mask_BxS):
     return None
 
-  def quantize(self, x, fmt, values: bool = False):
+  def quantize(self, x, fmt, values: bool = False, rms_norm=None):
     """x quantized along its last axis and its record, (QArray, Record), by a fused kernel,
     or None (then the quant core does it); with `values` also what the codes stand for in x's
-    dtype (the values the engine computes with, `quant.dequantize`), (QArray, Record, values)."""
+    dtype (the values the engine computes with, `quant.dequantize`), (QArray, Record, values).
+    With `rms_norm` (w, eps), x's RMSNorm (`layers.rms_norm`) is what is quantized, and it is
+    returned after the Record: (QArray, Record, normed x[, values])."""
     return None
 
   def activation_stats(self, xq) -> dict:

@@ -138,6 +138,10 @@ class _TrainLayer:
       self._sorted.append((x, rows, xs))
     return L.grouped(xs, self.path.weight(w, self.rep, name), rows.group_sizes)[rows.back]
 
+  def norm_act(self, h, w, eps, site, keep=False):
+    x = L.rms_norm(h, w, eps)
+    return (x, self.act(x, site)) if keep else self.act(x, site)
+
   def act(self, x, site):
     fmt = self._format(site)
     rec = self.records.get(site) if fmt is not BF16 else None

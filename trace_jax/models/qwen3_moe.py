@@ -49,6 +49,10 @@ class LayerPath(Protocol):
 
   def act(self, x: jax.Array, site: str) -> jax.Array: ...
 
+  def norm_act(self, h: jax.Array, w: jax.Array, eps: float, site: str, keep: bool = False):
+    """act(L.rms_norm(h, w, eps), site), and with `keep` (the normed h, that) -> a backend
+    with a kernel for both computes them in one."""
+
   def attention(self, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh) -> jax.Array: ...
 
   def route(self, probs_BxTxE: jax.Array) -> jax.Array: ...
@@ -109,8 +113,7 @@ def decoder_layer(cfg: ModelConfig, p: Params, h_BxTxD: jax.Array, pos_BxT: jax.
                   path: LayerPath):
   """One block. Returns the new residual stream, the router probabilities and the experts."""
   b, t, _ = h_BxTxD.shape
-  x = L.rms_norm(h_BxTxD, p["attn_norm"], cfg.norm_eps)
-  x = path.act(x, "attn_in")
+  x = path.norm_act(h_BxTxD, p["attn_norm"], cfg.norm_eps, "attn_in")
   q = path.linear(x, p["wq"], "wq").reshape(b, t, cfg.n_heads, cfg.head_dim)
   k = path.linear(x, p["wk"], "wk").reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
   v = path.linear(x, p["wv"], "wv").reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
@@ -120,11 +123,11 @@ def decoder_layer(cfg: ModelConfig, p: Params, h_BxTxD: jax.Array, pos_BxT: jax.
   o = path.act(o.reshape(b, t, cfg.q_dim), "attn_out")
   h_BxTxD = h_BxTxD + path.linear(o, p["wo"], "wo")
 
-  x = L.rms_norm(h_BxTxD, p["mlp_norm"], cfg.norm_eps)
+  x, xa = path.norm_act(h_BxTxD, p["mlp_norm"], cfg.norm_eps, "moe_in", keep=True)
   probs = L.router_probs(x, p["router"])
   idx = path.route(probs)
   gates = L.gate_weights(probs, idx, cfg.norm_topk_prob)
-  x = path.act(x, "moe_in")
+  x = xa
   h_BxTxD = h_BxTxD + moe(cfg, p, x, idx, gates, path)
   return h_BxTxD, probs, idx
 

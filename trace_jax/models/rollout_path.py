@@ -255,27 +255,46 @@ class _RolloutLayer:
     y = self.path.ops.experts(x_RxD, w, rows, xq=self._qarray(x))
     return L.grouped_rows(x_RxD, self.path.ops.dense(w), rows) if y is None else y
 
-  def _quantize(self, x, site, values=True):
+  def _quantize(self, x, site, values=True, rms_norm=None):
     """-> (what to store: QArray or array, the values the engine computes with, with
-    `values`)."""
+    `values`); with `rms_norm` (w, eps) x's RMSNorm is quantized, and returned third."""
     p = self.path
     fmt = p.recipe.site_format(site, self.rep, p.cfg.n_layers)
     if fmt is BF16:
-      return x, x
-    # a fused kernel writes the values too where it can: no pass of their own
-    fused = p.ops.quantize(x, fmt, values=values)
-    qa, rec, y = (quant.quantize(x, fmt), None, None) if fused is None else (*fused, None)[:3]
+      x = x if rms_norm is None else L.rms_norm(x, *rms_norm)
+      return x, x, x
+    # a fused kernel writes the values (and computes the norm) too where it can: no pass of
+    # their own
+    fused = p.ops.quantize(x, fmt, values=values, rms_norm=rms_norm)
+    if fused is None:
+      x = x if rms_norm is None else L.rms_norm(x, *rms_norm)
+      qa, rec, y = quant.quantize(x, fmt), None, None
+    else:
+      qa, rec, *rest = fused
+      if rms_norm is not None:
+        x, rest = rest[0], rest[1:]
+      y = rest[0] if rest else None
     if self.rep in p.record_layers:
       self.records[site] = quant.make_record(qa) if rec is None else rec
     if p.collect_codes:
       self.codes[site] = quant.element_codes(qa)
     if values and y is None:
       y = quant.dequantize(qa).astype(x.dtype)
-    return qa, y
+    return qa, y, x
 
   def act(self, x, site):
-    qa, y = self._quantize(x, site)
-    if y is not x:
+    qa, y, _ = self._quantize(x, site)
+    return self._computed_with(y, qa)
+
+  def norm_act(self, h, w, eps, site, keep=False):
+    qa, y, x = self._quantize(h, site, rms_norm=(w, eps))
+    y = self._computed_with(y, qa)
+    return (x, y) if keep else y
+
+  def _computed_with(self, y, qa):
+    """y, the values a quantized site's QArray qa stands for (or its unquantized input), noted
+    for the matmuls that take codes, its counts into the layer's stats."""
+    if y is not qa:
       self._quantized.append((y, qa))
       for name, n in self.path.ops.activation_stats(qa).items():
         self.stats[name] = self.stats.get(name, 0) + n
