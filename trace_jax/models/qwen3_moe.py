@@ -50,8 +50,8 @@ class LayerPath(Protocol):
   def act(self, x: jax.Array, site: str) -> jax.Array: ...
 
   def norm_act(self, h: jax.Array, w: jax.Array, eps: float, site: str, keep: bool = False):
-    """act(L.rms_norm(h, w, eps), site), and with `keep` (the normed h, that) -> a backend
-    with a kernel for both computes them in one."""
+    """act(L.rms_norm(h, w, eps), site), or with `keep` the normed h and that, a pair: a
+    backend with a kernel for both computes them in one."""
 
   def attention(self, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh) -> jax.Array: ...
 
@@ -123,12 +123,11 @@ def decoder_layer(cfg: ModelConfig, p: Params, h_BxTxD: jax.Array, pos_BxT: jax.
   o = path.act(o.reshape(b, t, cfg.q_dim), "attn_out")
   h_BxTxD = h_BxTxD + path.linear(o, p["wo"], "wo")
 
-  x, xa = path.norm_act(h_BxTxD, p["mlp_norm"], cfg.norm_eps, "moe_in", keep=True)
+  x, x_moe = path.norm_act(h_BxTxD, p["mlp_norm"], cfg.norm_eps, "moe_in", keep=True)
   probs = L.router_probs(x, p["router"])
   idx = path.route(probs)
   gates = L.gate_weights(probs, idx, cfg.norm_topk_prob)
-  x = xa
-  h_BxTxD = h_BxTxD + moe(cfg, p, x, idx, gates, path)
+  h_BxTxD = h_BxTxD + moe(cfg, p, x_moe, idx, gates, path)
   return h_BxTxD, probs, idx
 
 
