@@ -67,3 +67,37 @@ def tile_rows(group_sizes, t: int, block_m: int, rows_in=None, rows_out=None,
   # element gathered (the largest XLA kernels of the 48-layer decode step, BENCHMARKS.md)
   return jax.lax.optimization_barrier(
       (src, jnp.append(tile_expert, tile_end[-1].astype(jnp.int32)), dest))
+
+
+def tile_slots(slot_expert, slot_source, group_sizes, block_m: int, x_rows: int):
+  """`tile_rows` of a MoE dispatch, from each output row's expert and input row, with no sort:
+  output row j (a (token, expert slot) pair) is its expert's rank-th row, rank the number of
+  rows before j with the same expert (the order of a stable sort by expert), and takes input
+  row slot_source[j] (j // k for one row per token, j for one per slot). The same (src,
+  tile_expert, dest) as `tile_rows(group_sizes, S, block_m, rows_in, rows_out, x_rows)` with
+  the sorted rows' rows_in and rows_out (`layers.Dispatch`), where group_sizes counts every row
+  (sum(group_sizes) = S), in fewer passes: an [S, S] count for the ranks, a [tiles x block_m,
+  S] match for src and an [tiles + 1, E] count for the table, in place of the sort, the
+  permutation's inverse and two searchsorted. Quadratic in S: for decode-sized dispatches
+  (S = batch x top_k, a few thousand rows at most)."""
+  s = slot_expert.shape[0]
+  e = group_sizes.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  tiles = -(-sizes // block_m)
+  tile_end = jnp.cumsum(tiles)
+  n_tiles = -(-s // block_m) + e  # the static bound of tile_rows
+  expert = slot_expert.astype(jnp.int32)
+  rows_j = jnp.arange(s, dtype=jnp.int32)
+  rank = jnp.sum((expert[None, :] == expert[:, None]) & (rows_j[None, :] < rows_j[:, None]),
+                 axis=1, dtype=jnp.int32)
+  dest = (tile_end - tiles)[expert] * block_m + rank
+  slot = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
+  hit = dest[None, :] == slot[:, None]
+  src = jnp.where(jnp.any(hit, axis=1),
+                  jnp.sum(jnp.where(hit, slot_source.astype(jnp.int32)[None, :], 0), axis=1),
+                  x_rows)
+  t = jnp.arange(n_tiles + 1, dtype=jnp.int32)
+  tile_expert = jnp.where(
+      t < n_tiles, jnp.minimum(jnp.sum(tile_end[None, :] <= t[:, None], axis=1), e - 1),
+      tile_end[-1]).astype(jnp.int32)
+  return jax.lax.optimization_barrier((src, tile_expert, dest))

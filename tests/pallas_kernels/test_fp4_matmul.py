@@ -217,6 +217,26 @@ def test_tile_rows_is_loop_free():
   assert "while" not in text and "stablehlo.case" not in text
 
 
+@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(64, 8, 128, 8), (5, 2, 4, 16),
+                                                         (33, 4, 16, 16), (1, 1, 4, 8)])
+def test_tile_slots_is_tile_rows_of_the_dispatch(tokens, top_k, experts, block_m, per_token):
+  """`tile_slots` (each slot's expert and input row, no sort) places the rows exactly where
+  `tile_rows` places the dispatch's sorted rows."""
+  from pallas_kernels.fp4_matmul.tiling import tile_rows, tile_slots
+  keys = jax.random.split(jax.random.PRNGKey(tokens * top_k), tokens)
+  idx = jax.vmap(lambda k: jax.random.permutation(k, experts)[:top_k])(keys)
+  d = L.Dispatch(idx, experts)
+  rows = d.of_tokens if per_token else d.of_slots
+  s = tokens * top_k
+  x_rows = tokens if per_token else s
+  source = jnp.arange(s) // top_k if per_token else jnp.arange(s)
+  want = tile_rows(rows.group_sizes, s, block_m, rows.src, rows.back, x_rows)
+  got = tile_slots(idx.reshape(-1), source, rows.group_sizes, block_m, x_rows)
+  for name, g, w in zip(("src", "tile_expert", "dest"), got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
 def test_grouped_errors():
   x, w, sizes = grouped_inputs(0, 8, 256, 128, [4, 4], MXFP4)
   with pytest.raises(ValueError, match=r"group_sizes \[2\]"):
