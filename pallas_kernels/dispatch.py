@@ -164,8 +164,8 @@ def _experts(x_RxD: jax.Array, w, rows) -> jax.Array | None:
   if tiles is None:
     return None
   matmul = grouped_bf16_matmul if isinstance(w, jax.Array) else grouped_fp4_matmul
-  return matmul(x_RxD, w, rows.group_sizes, rows.src, rows.back, implementation="pallas",
-                interpret=_interpret(), **tiles)
+  return matmul(x_RxD, w, rows.group_sizes, rows.src, rows.back, rows.slots,
+                implementation="pallas", interpret=_interpret(), **tiles)
 
 
 def _quantize(x: jax.Array, fmt: Format, values: bool = False, rms_norm=None):

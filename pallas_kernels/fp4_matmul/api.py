@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.fp4_matmul import kernel, mosaic, reference
 from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
-from pallas_kernels.fp4_matmul.tiling import default_splits, sorted_rows, tile_rows
+from pallas_kernels.fp4_matmul.tiling import default_splits, place_rows, sorted_rows
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -142,21 +142,22 @@ def _check_grouped(name, x, w_shape, group_sizes, rows_in=None, rows_out=None):
                        f"{a.shape}")
 
 
-def _group_tiles(x, group_sizes, block_m, rows_in=None, rows_out=None):
-  """Rows sorted by expert (x[rows_in]) -> (x2, tile_expert, dest) of `tile_rows`, x2 in bf16
-  with each group padded to whole block_m-row tiles (unused rows zero), dest per output row
-  (rows_out). x2 is one gather from x (each padded row's source row, or none), which XLA runs
-  as one pass fused with what the kernel's layout asks next; a scatter of the rows was 4x
-  slower on the H200."""
-  src, tile_expert, dest = tile_rows(group_sizes, sorted_rows(x, rows_in), block_m, rows_in,
-                                     rows_out, x.shape[0])
+def _group_tiles(x, group_sizes, block_m, rows_in=None, rows_out=None, slots=None):
+  """Rows sorted by expert (x[rows_in]) -> (x2, tile_expert, dest) of `tile_rows` (or, given the
+  dispatch's `slots`, `tiling.place_rows`), x2 in bf16 with each group padded to whole
+  block_m-row tiles (unused rows zero), dest per output row (rows_out). x2 is one gather from x
+  (each padded row's source row, or none), which XLA runs as one pass fused with what the
+  kernel's layout asks next; a scatter of the rows was 4x slower on the H200."""
+  src, tile_expert, dest = place_rows(group_sizes, sorted_rows(x, rows_in), block_m, rows_in,
+                                      rows_out, x.shape[0], slots)
   x2 = jnp.take(x.astype(jnp.bfloat16), src, axis=0, mode="fill", fill_value=0)
   return x2, tile_expert, dest
 
 
 @reference_vjp(reference.grouped_fp4_matmul)
 def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Array,
-                       rows_in: jax.Array | None = None, rows_out: jax.Array | None = None, /, *,
+                       rows_in: jax.Array | None = None, rows_out: jax.Array | None = None,
+                       slots: tuple[jax.Array, jax.Array] | None = None, /, *,
                        implementation: str = "xla", block_m: int = 16, block_n: int = 64,
                        splits: int | None = None, rows: int = 32, num_warps: int = 4,
                        num_stages: int = 4, decode: str | None = None, interpret: bool = False,
@@ -167,7 +168,9 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
   (the MoE dispatch: tokens or (token, expert slot) rows in, slots out) it computes
   y[rows_out] for the sorted rows x[rows_in], as `reference.grouped_fp4_matmul` writes it, in
   the kernels' own gathers: the padded tiles are gathered from x and the output from the
-  kernel's, each in one pass.
+  kernel's, each in one pass. `slots` (the dispatch's (expert, input row) of each output row,
+  `layers.ExpertRows`): the same rows per slot, which the kernels place with no sort
+  (`tiling.tile_slots`; decode-sized dispatches).
 
   The pallas implementation pads each group to whole block_m-row tiles (`_group_tiles`) and
   runs the dot kernel with each tile's expert read from a small table; the padding tiles past
@@ -176,7 +179,7 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
   _check_impl(implementation)
   if _wgmma(w, implementation, interpret):
     return mosaic.grouped_fp4_matmul(x, w, group_sizes, splits=splits, rows_in=rows_in,
-                                     rows_out=rows_out)
+                                     rows_out=rows_out, slots=slots)
   w = untile(w) if isinstance(w, TiledFP4) else w
   reference.check_weight(w, grouped=True)
   _check_grouped("grouped_fp4_matmul", x, w.shape, group_sizes, rows_in, rows_out)
@@ -186,7 +189,7 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
   if n % block_n or k % (2 * rows) or rows % 16:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}), rows "
                      f"({rows}) a multiple of 16 and K ({k}) divisible by 2 x rows")
-  x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m, rows_in, rows_out)
+  x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m, rows_in, rows_out, slots)
   m = x2.shape[0]
   splits = splits or default_splits(m // block_m, n // block_n, (k // 2) // rows)
   partials = kernel.grouped_fp4_partials(
@@ -228,16 +231,17 @@ def bf16_matmul(x: jax.Array, w: jax.Array, /, *, implementation: str = "xla", b
 
 @reference_vjp(reference.grouped_bf16_matmul)
 def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                        rows_in: jax.Array | None = None, rows_out: jax.Array | None = None, /, *,
+                        rows_in: jax.Array | None = None, rows_out: jax.Array | None = None,
+                        slots: tuple[jax.Array, jax.Array] | None = None, /, *,
                         implementation: str = "xla", block_m: int = 16, block_n: int = 128,
                         block_k: int = 64, splits: int | None = None, num_warps: int = 4,
                         num_stages: int = 3, interpret: bool = False,
                         poison: bool = False) -> jax.Array:
   """The bf16 twin of `grouped_fp4_matmul`: x [T, K], rows sorted by expert, @ W[e] [K, N] for
   per-expert bf16 weights w [E, K, N] -> [T, N] bf16, float32 accumulation; rows past
-  sum(group_sizes) come out zero; rows_in / rows_out as there. "xla" is `jax.lax.ragged_dot`;
-  "pallas" pads the groups to block_m-row tiles as the FP4 form does and runs the bf16
-  kernel."""
+  sum(group_sizes) come out zero; rows_in / rows_out / slots as there. "xla" is
+  `jax.lax.ragged_dot`; "pallas" pads the groups to block_m-row tiles as the FP4 form does and
+  runs the bf16 kernel."""
   _check_impl(implementation)
   if getattr(w, "ndim", None) != 3:
     raise ValueError(f"grouped_bf16_matmul expects per-expert weights [E, K, N], got "
@@ -249,7 +253,7 @@ def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   if n % block_n or k % block_k:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
                      f"({k}) divisible by block_k ({block_k})")
-  x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m, rows_in, rows_out)
+  x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m, rows_in, rows_out, slots)
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, k // block_k)
   partials = kernel.grouped_bf16_partials(
       x2, w.astype(jnp.bfloat16), tile_expert, block_m=block_m, block_n=block_n,

@@ -43,7 +43,7 @@ import numpy as np
 
 from pallas_kernels.fp4_matmul.kernel import e2m1_bf16, e2m1_nibbles_asm, e4m3_f32
 from pallas_kernels.fp4_matmul.layout import CHUNK, ORDERS, ROWS, TiledFP4
-from pallas_kernels.fp4_matmul.tiling import default_splits, sorted_rows, tile_rows
+from pallas_kernels.fp4_matmul.tiling import default_splits, place_rows, sorted_rows, tile_rows
 
 # one 16-bit pair of codes bytes -> the bf16 pairs of its low and of its high nibbles, scaled
 E2M1_NIBBLES_ASM = {"mxfp4": e2m1_nibbles_asm(), "nvfp4": e2m1_nibbles_asm(f32_scales=True)}
@@ -678,7 +678,7 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
                        decode: str = "asm", row_tiles: int = 1,
                        rows_in: jax.Array | None = None,
                        rows_out: jax.Array | None = None, out_rows: bool = True,
-                       tile_m: int | None = None) -> jax.Array:
+                       tile_m: int | None = None, slots=None) -> jax.Array:
   """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert, or
   the rows rows_in of x with the output's rows_out, composed with the gathers here) for
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
@@ -692,7 +692,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   of the output a block from one x tile (that order only).
   `out_rows` (the default; used with one split): the kernel writes y's rows (`_store_rows`),
   which are then gathered along rows; off, y^T's columns are gathered and transposed (a slower
-  column gather: 56 against 65 us a down call at B = 64 on an H100, BENCHMARKS.md)."""
+  column gather: 56 against 65 us a down call at B = 64 on an H100, BENCHMARKS.md). `slots`:
+  the dispatch's rows per slot, placed with no sort (`tiling.place_rows`)."""
   _check_tiled(w, True, "grouped_fp4_matmul")
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
@@ -705,8 +706,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
                               row_tiles)
   if (k // 2) % block_k2:
     raise ValueError(f"K/2 ({k // 2}) must be a multiple of block_k2 ({block_k2})")
-  src, tile_expert, dest = tile_rows(group_sizes, sorted_rows(x, rows_in), tile_m, rows_in,
-                                     rows_out, x.shape[0])
+  src, tile_expert, dest = place_rows(group_sizes, sorted_rows(x, rows_in), tile_m, rows_in,
+                                      rows_out, x.shape[0], slots)
   if w.order == "halves":  # the padded rows gathered, [tile_m x tiles, K]: one pass
     xs = (_tiled_rows(x, src),)
   else:

@@ -56,17 +56,18 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4) -> jax.Array:
 
 def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Array,
                        rows_in: jax.Array | None = None,
-                       rows_out: jax.Array | None = None) -> jax.Array:
+                       rows_out: jax.Array | None = None, slots=None) -> jax.Array:
   """MoE expert matmul: x [T, K] (rows sorted by expert, group_sizes[e] rows for expert e) @
   W[e] [K, N] -> [T, N] bf16, float32 accumulation; rows past sum(group_sizes) come out 0.
   rows_in / rows_out: the rows sorted by expert are x[rows_in], and the output is the sorted
-  rows' y[rows_out] (the MoE dispatch's gathers, which the kernels compose with their own)."""
+  rows' y[rows_out] (the MoE dispatch's gathers, which the kernels compose with their own).
+  `slots`, the same rows per slot (`api.grouped_fp4_matmul`), changes nothing here."""
   return grouped_bf16_matmul(x, dequantize_bf16(w), group_sizes, rows_in, rows_out)
 
 
 def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                         rows_in: jax.Array | None = None,
-                        rows_out: jax.Array | None = None) -> jax.Array:
+                        rows_out: jax.Array | None = None, slots=None) -> jax.Array:
   """The bf16 twin of `grouped_fp4_matmul`: x [T, K] @ W[e] [K, N] for w [E, K, N] by
   ragged_dot, float32 accumulation -> [T, N] bf16; rows past sum(group_sizes) come out 0."""
   x = x if rows_in is None else x[rows_in]

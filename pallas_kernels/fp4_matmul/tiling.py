@@ -101,3 +101,18 @@ def tile_slots(slot_expert, slot_source, group_sizes, block_m: int, x_rows: int)
       t < n_tiles, jnp.minimum(jnp.sum(tile_end[None, :] <= t[:, None], axis=1), e - 1),
       tile_end[-1]).astype(jnp.int32)
   return jax.lax.optimization_barrier((src, tile_expert, dest))
+
+
+# the largest dispatch `place_rows` places by `tile_slots` (its counts are S x S): a decode
+# step's (batch x top_k); a prefill's many more rows take the sort's placement
+SLOTS_MAX = 4096
+
+
+def place_rows(group_sizes, t: int, block_m: int, rows_in=None, rows_out=None,
+               x_rows: int | None = None, slots=None):
+  """The grouped matmuls' row placement: `tile_slots` where the dispatch's per-slot form
+  `slots` (each output row's expert and input row, `layers.ExpertRows`) is given and at most
+  SLOTS_MAX rows, else `tile_rows` from the sorted rows' rows_in and rows_out."""
+  if slots is not None and slots[0].shape[0] <= SLOTS_MAX:
+    return tile_slots(*slots, group_sizes, block_m, x_rows)
+  return tile_rows(group_sizes, t, block_m, rows_in, rows_out, x_rows)

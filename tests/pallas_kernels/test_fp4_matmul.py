@@ -1,5 +1,7 @@
 """FP4 matmul kernel against its reference: interpret mode on CPU, compiled on a GPU (-m gpu)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,6 +237,27 @@ def test_tile_slots_is_tile_rows_of_the_dispatch(tokens, top_k, experts, block_m
   got = tile_slots(idx.reshape(-1), source, rows.group_sizes, block_m, x_rows)
   for name, g, w in zip(("src", "tile_expert", "dest"), got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+def test_a_decode_dispatch_through_the_kernels_compiles_without_its_sort():
+  """The dispatch's rows handed to a grouped kernel per slot (`ExpertRows.slots`): its tiling
+  needs no sort, and XLA drops the dispatch's argsort from the compiled program (the tokens'
+  top-k is the program's input here); the output is that of the sorted rows'."""
+  x, w, _ = grouped_inputs(0, 16, 256, 128, [8, 8, 8, 8], MXFP4)
+  keys = jax.random.split(jax.random.PRNGKey(3), 16)
+  idx = jax.vmap(lambda k: jax.random.permutation(k, 4)[:2])(keys)
+
+  def experts(x, idx, per_slot):
+    rows = L.Dispatch(idx, 4).of_tokens
+    rows = rows if per_slot else rows._replace(slots=None)
+    return grouped_fp4_matmul(x, w, rows.group_sizes, rows.src, rows.back, rows.slots,
+                              implementation="pallas", interpret=True)
+
+  sorts = [len(re.findall(r"\bsort\(", jax.jit(experts, static_argnums=2).lower(x, idx, s)
+                          .compile().as_text())) for s in (True, False)]
+  assert sorts[0] == 0 and sorts[1] > 0, sorts
+  np.testing.assert_array_equal(np.asarray(experts(x, idx, True)),
+                                np.asarray(experts(x, idx, False)))
 
 
 def test_grouped_errors():

@@ -516,10 +516,11 @@ def test_wrappers_around_the_kernels_move_rows_right(fmt, order, monkeypatch):
     rows = routed_rows(3, 10, 2, 4, per_token)
     xr = x[:10] if per_token else x[:20]
     for tile_m in (16, 8) if order == "halves" else (16,):
-      check(mosaic.grouped_fp4_matmul(xr, layout.tile(gw, order), rows.group_sizes, splits=1,
-                                      rows_in=rows.src, rows_out=rows.back, out_rows=out_rows,
-                                      tile_m=tile_m),
-            reference.grouped_fp4_matmul(xr, gw, rows.group_sizes, rows.src, rows.back))
+      want = reference.grouped_fp4_matmul(xr, gw, rows.group_sizes, rows.src, rows.back)
+      for slots in (None, rows.slots):  # placed from the sorted rows, or per slot (no sort)
+        check(mosaic.grouped_fp4_matmul(xr, layout.tile(gw, order), rows.group_sizes, splits=1,
+                                        rows_in=rows.src, rows_out=rows.back,
+                                        out_rows=out_rows, tile_m=tile_m, slots=slots), want)
 
 
 @pytest.mark.parametrize("order,tile_m", [("halves", 8), ("pairs", 16)])

@@ -51,11 +51,14 @@ def grouped(x_MxD: jax.Array, w_ExDxF: jax.Array, group_sizes_E: jax.Array) -> j
 class ExpertRows(NamedTuple):
   """The rows a grouped matmul takes and gives around its sort by expert: sorted row i is row
   `src[i]` of its input (`group_sizes[e]` rows for expert e, in expert order), and output row
-  j is sorted row `back[j]`. A kernel composes the two gathers with those of its own tiling."""
+  j is sorted row `back[j]`. A kernel composes the two gathers with those of its own tiling.
+  `slots` (a dispatch's): the same rows per output row, (its expert, its input row), in the
+  order of a stable sort by expert; a kernel can place the rows from these with no sort."""
 
   src: jax.Array
   back: jax.Array
   group_sizes: jax.Array
+  slots: tuple[jax.Array, jax.Array] | None = None
 
 
 def grouped_rows(x_RxD: jax.Array, w_ExDxF: jax.Array, rows: ExpertRows) -> jax.Array:
@@ -160,7 +163,7 @@ class Dispatch:
 
   def __init__(self, idx_MxK: jax.Array, n_experts: int):
     flat = idx_MxK.reshape(-1)
-    self.k = idx_MxK.shape[-1]
+    self.k, self.experts = idx_MxK.shape[-1], flat
     self.order = jnp.argsort(flat, stable=True)
     # the permutation's inverse by a scatter (a sort would be another GPU kernel)
     self.inverse = jnp.zeros_like(self.order).at[self.order].set(
@@ -171,9 +174,11 @@ class Dispatch:
   @functools.cached_property
   def of_tokens(self) -> ExpertRows:
     """From one row per token [M, D] to one per slot [M x k, F]."""
-    return ExpertRows(self.order // self.k, self.inverse, self.group_sizes)
+    return ExpertRows(self.order // self.k, self.inverse, self.group_sizes,
+                      (self.experts, jnp.arange(self.experts.size) // self.k))
 
   @functools.cached_property
   def of_slots(self) -> ExpertRows:
     """From one row per slot [M x k, F] to one per slot [M x k, D]."""
-    return ExpertRows(self.order, self.inverse, self.group_sizes)
+    return ExpertRows(self.order, self.inverse, self.group_sizes,
+                      (self.experts, jnp.arange(self.experts.size)))
