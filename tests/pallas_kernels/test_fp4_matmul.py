@@ -262,6 +262,10 @@ def test_a_decode_dispatch_through_the_kernels_compiles_without_its_sort():
 
 def test_grouped_errors():
   x, w, sizes = grouped_inputs(0, 8, 256, 128, [4, 4], MXFP4)
+  rows = jnp.arange(8)
+  with pytest.raises(ValueError, match="two vectors of 8; got"):
+    grouped_fp4_matmul(x, w, sizes, rows, rows, (rows[:4], rows[:4]), implementation="pallas",
+                       interpret=True)
   with pytest.raises(ValueError, match=r"group_sizes \[2\]"):
     grouped_fp4_matmul(x, w, sizes[:1])
   with pytest.raises(ValueError, match="per-expert weights"):
