@@ -259,7 +259,8 @@ def _w4a4_experts(x_RxD, w: w4a4_layout.TiledW4, rows, xq) -> jax.Array | None:
   if not _takes_w4a4(xq):
     return None
   matmul = w4a4.emulated_grouped_matmul if _interpret() else w4a4.grouped_w4a4_matmul
-  return matmul(_rows(xq), w, rows.group_sizes, rows_in=rows.src, rows_out=rows.back)
+  return matmul(_rows(xq), w, rows.group_sizes, rows_in=rows.src, rows_out=rows.back,
+                slots=rows.slots)
 
 
 class KernelOps(XlaOps):

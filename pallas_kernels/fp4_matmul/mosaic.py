@@ -43,7 +43,7 @@ import numpy as np
 
 from pallas_kernels.fp4_matmul.kernel import e2m1_bf16, e2m1_nibbles_asm, e4m3_f32
 from pallas_kernels.fp4_matmul.layout import CHUNK, ORDERS, ROWS, TiledFP4
-from pallas_kernels.fp4_matmul.tiling import default_splits, place_rows, sorted_rows, tile_rows
+from pallas_kernels.fp4_matmul.tiling import default_splits, place_rows, sorted_rows
 
 # one 16-bit pair of codes bytes -> the bf16 pairs of its low and of its high nibbles, scaled
 E2M1_NIBBLES_ASM = {"mxfp4": e2m1_nibbles_asm(), "nvfp4": e2m1_nibbles_asm(f32_scales=True)}
@@ -575,18 +575,18 @@ def grouped_bf16_wgmma_partials(x, w, tile_expert, *, block_k: int = 128, splits
 def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                         block_k: int = 128, splits: int | None = None,
                         max_concurrent_steps: int = 4, rows_in: jax.Array | None = None,
-                        rows_out: jax.Array | None = None) -> jax.Array:
+                        rows_out: jax.Array | None = None, slots=None) -> jax.Array:
   """`api.grouped_bf16_matmul` (x [T, K], rows sorted by expert, @ w[e] [K, N]) by the Mosaic
   wgmma kernel (compiled Hopper only), as `grouped_fp4_matmul` runs a weight in the "halves"
   order: each group padded to 16-token tiles gathered in one pass, each tile against its
   expert's weight read as the engine holds it -> [T, N] bf16; rows past sum(group_sizes) come
-  out zero. rows_in / rows_out as in `api.grouped_fp4_matmul`."""
+  out zero. rows_in / rows_out / slots as in `api.grouped_fp4_matmul`."""
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
     raise ValueError(f"grouped_bf16_matmul takes x [T, {k}] and group_sizes [{e}] for this "
                      f"weight, got x {x.shape} and group_sizes {group_sizes.shape}")
-  src, tile_expert, dest = tile_rows(group_sizes, sorted_rows(x, rows_in), 16, rows_in, rows_out,
-                                     x.shape[0])
+  src, tile_expert, dest = place_rows(group_sizes, sorted_rows(x, rows_in), 16, rows_in,
+                                      rows_out, x.shape[0], slots)
   splits = splits or default_splits(src.shape[0] // 16, n // ROWS, k // block_k,
                                     programs=2 * 132, max_splits=8)
   partials = grouped_bf16_wgmma_partials(_tiled_rows(x, src), w, tile_expert, block_k=block_k,

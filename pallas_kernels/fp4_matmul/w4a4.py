@@ -386,10 +386,10 @@ def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
                         block_k: int | None = None, splits: int | None = None,
                         max_concurrent_steps: int | None = None, in_flight: int = 2,
                         exact_path: str = "kernel", rows_in: jax.Array | None = None,
-                        rows_out: jax.Array | None = None) -> jax.Array:
+                        rows_out: jax.Array | None = None, slots=None) -> jax.Array:
   """The MoE expert matmul on FP8 tensor cores: xq [T, K] (MXFP4, rows sorted by expert) @
   W[e] -> [T, N] bf16 for per-expert weights in the W4A4 layout; rows past sum(group_sizes)
-  come out zero. exact_path as in `w4a4_matmul`; rows_in / rows_out as in
+  come out zero. exact_path as in `w4a4_matmul`; rows_in / rows_out / slots as in
   `api.grouped_fp4_matmul` (composed with the tiles' gathers)."""
   _check(w, True, "grouped_w4a4_matmul")
   e, k, n = w.shape
@@ -401,8 +401,8 @@ def grouped_w4a4_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array, *,
   # the grouped kernel's measured defaults: K steps of 256 values (or fewer), four in flight
   block_k = block_k or next((bk for bk in (256, 128, 64) if k % bk == 0), CHUNK_K)
   block_k, stages = pipeline(16, k, block_k, max_concurrent_steps or 4)
-  src, tile_expert, dest = tiling.tile_rows(group_sizes, tiling.sorted_rows(x8, rows_in), 16,
-                                            rows_in, rows_out, x8.shape[0])
+  src, tile_expert, dest = tiling.place_rows(group_sizes, tiling.sorted_rows(x8, rows_in), 16,
+                                             rows_in, rows_out, x8.shape[0], slots)
   xt = jnp.take(x8, src, axis=0, mode="fill", fill_value=0)  # [16 x tiles, K]
   exp_t = jnp.take(token_exp, src, mode="fill", fill_value=127)
   mult_t = jnp.take(mult, src, axis=1, mode="fill", fill_value=0)
@@ -455,11 +455,11 @@ def emulated_matmul(xq: QArray, w: TiledW4) -> jax.Array:
 
 def emulated_grouped_matmul(xq: QArray, w: TiledW4, group_sizes: jax.Array,
                             rows_in: jax.Array | None = None,
-                            rows_out: jax.Array | None = None) -> jax.Array:
+                            rows_out: jax.Array | None = None, slots=None) -> jax.Array:
   """`grouped_w4a4_matmul`'s numbers by XLA: rows sorted by expert, each through its expert's
   weight (every expert computed for every row, then the row's taken: for small tests and
   backends without the kernel); rows past sum(group_sizes) come out zero; rows_in / rows_out
-  as there."""
+  as there (`slots`, the same rows per slot, changes nothing here)."""
   _check(w, True, "emulated_grouped_matmul")
   if rows_in is not None:
     xq = QArray(xq.codes[rows_in], xq.scales[rows_in], xq.global_scale, xq.fmt, xq.axis)

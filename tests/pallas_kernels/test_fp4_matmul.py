@@ -161,6 +161,11 @@ def test_grouped_kernels_compose_the_dispatch_rows(per_token):
   got = grouped_fp4_matmul(x, w, *args, implementation="pallas", splits=2, interpret=True,
                            poison=True)
   assert_close(got, ref)
+  # the same rows per slot (placed with no sort): the same tiles, the same numbers
+  np.testing.assert_array_equal(
+      np.asarray(grouped_fp4_matmul(x, w, *args, rows.slots, implementation="pallas", splits=2,
+                                    interpret=True, poison=True), np.float32),
+      np.asarray(got, np.float32))
   # sorted rows given explicitly: the same numbers as the composed call
   sorted_x = x[rows.src]
   assert_close(got, grouped_fp4_matmul(sorted_x, w, rows.group_sizes, implementation="pallas",
@@ -172,6 +177,9 @@ def test_grouped_kernels_compose_the_dispatch_rows(per_token):
   got16 = grouped_bf16_matmul(x, w16, *args, implementation="pallas", splits=2, interpret=True,
                               poison=True)
   assert rel(got16, want16) < 2e-3
+  np.testing.assert_array_equal(np.asarray(grouped_bf16_matmul(
+      x, w16, *args, rows.slots, implementation="pallas", splits=2, interpret=True,
+      poison=True), np.float32), np.asarray(got16, np.float32))
   with pytest.raises(ValueError, match="rows_in as a vector of row indices"):
     grouped_fp4_matmul(x, w, rows.group_sizes, rows.src.astype(jnp.float32))
 

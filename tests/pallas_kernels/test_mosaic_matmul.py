@@ -593,11 +593,12 @@ def test_grouped_bf16_wrapper_moves_rows_right(monkeypatch):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
   assert asked == [jnp.float32, jnp.bfloat16]  # one split: y^T written in bf16 by the kernel
   rows = routed_rows(3, 10, 2, 4, True)  # a MoE dispatch's rows, composed with the tiling
-  got = np.asarray(mosaic.grouped_bf16_matmul(x[:10], w, rows.group_sizes, rows_in=rows.src,
-                                              rows_out=rows.back), np.float32)
   want = np.asarray(reference.grouped_bf16_matmul(x[:10], w, rows.group_sizes, rows.src,
                                                   rows.back), np.float32)
-  assert got.shape == (20, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+  for slots in (None, rows.slots):  # placed from the sorted rows, or per slot (no sort)
+    got = np.asarray(mosaic.grouped_bf16_matmul(x[:10], w, rows.group_sizes, rows_in=rows.src,
+                                                rows_out=rows.back, slots=slots), np.float32)
+    assert got.shape == (20, n) and np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
 @pytest.mark.gpu

@@ -235,7 +235,7 @@ def test_emulated_grouped_takes_the_dispatch_rows():
   rows = routed_rows(6, 12, 2, 4, True)
   xq, w = activation(9, 12, 256), weight(10, 256, 128, experts=4)
   got = np.asarray(w4a4.emulated_grouped_matmul(xq, tile(w), rows.group_sizes, rows.src,
-                                                rows.back), np.float32)
+                                                rows.back, rows.slots), np.float32)
   assert got.shape == (24, 128)
   x = dequantize(xq).astype(jnp.bfloat16)
   want = np.asarray(reference.grouped_fp4_matmul(x, w, rows.group_sizes, rows.src, rows.back),
@@ -266,8 +266,9 @@ def test_grouped_kernel_on_gpu(sizes):
     x16 = dequantize(x).astype(jnp.bfloat16)
     want = np.asarray(reference.grouped_fp4_matmul(x16, w, rows.group_sizes, rows.src,
                                                    rows.back), np.float32)
-    for exact in ("kernel", "xla"):
+    for exact, slots in (("kernel", None), ("xla", None), ("kernel", rows.slots)):
       got = np.asarray(w4a4.grouped_w4a4_matmul(x, L.tile(w), rows.group_sizes, exact_path=exact,
-                                                rows_in=rows.src, rows_out=rows.back), np.float32)
+                                                rows_in=rows.src, rows_out=rows.back,
+                                                slots=slots), np.float32)
       assert got.shape == (32, n), exact
       assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3, exact
