@@ -113,11 +113,12 @@ def place_rows(group_sizes, t: int, block_m: int, rows_in=None, rows_out=None,
   """The grouped matmuls' row placement: `tile_slots` where the dispatch's per-slot form
   `slots` (each output row's expert and input row, `layers.ExpertRows`) is given and at most
   SLOTS_MAX rows, else `tile_rows` from the sorted rows' rows_in and rows_out."""
-  if slots is not None:
-    want = rows_out.shape if rows_out is not None else (t,)
-    if slots[0].shape != want or slots[1].shape != want:
-      raise ValueError(f"slots are each output row's expert and input row, two vectors of "
-                       f"{want[0]}; got {slots[0].shape} and {slots[1].shape}")
-  if slots is not None and slots[0].shape[0] <= SLOTS_MAX:
+  if slots is None:
+    return tile_rows(group_sizes, t, block_m, rows_in, rows_out, x_rows)
+  want = rows_out.shape if rows_out is not None else (t,)
+  if slots[0].shape != want or slots[1].shape != want:
+    raise ValueError(f"slots are each output row's expert and input row, two vectors of "
+                     f"{want[0]}; got {slots[0].shape} and {slots[1].shape}")
+  if want[0] <= SLOTS_MAX:
     return tile_slots(*slots, group_sizes, block_m, x_rows)
   return tile_rows(group_sizes, t, block_m, rows_in, rows_out, x_rows)

@@ -260,14 +260,14 @@ class _RolloutLayer:
     `values`); with `rms_norm` (w, eps) x's RMSNorm is quantized, and returned third."""
     p = self.path
     fmt = p.recipe.site_format(site, self.rep, p.cfg.n_layers)
-    if fmt is BF16:
-      x = x if rms_norm is None else L.rms_norm(x, *rms_norm)
-      return x, x, x
     # a fused kernel writes the values (and computes the norm) too where it can: no pass of
     # their own
-    fused = p.ops.quantize(x, fmt, values=values, rms_norm=rms_norm)
+    fused = None if fmt is BF16 else p.ops.quantize(x, fmt, values=values, rms_norm=rms_norm)
+    if fused is None and rms_norm is not None:
+      x = L.rms_norm(x, *rms_norm)
+    if fmt is BF16:
+      return x, x, x
     if fused is None:
-      x = x if rms_norm is None else L.rms_norm(x, *rms_norm)
       qa, rec, y = quant.quantize(x, fmt), None, None
     else:
       qa, rec, *rest = fused
