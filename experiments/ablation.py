@@ -192,8 +192,11 @@ def markdown_table(summary: dict, families) -> str:
           f"{f(s['record_bytes_per_token'], '{:.0f}')} | "
           f"`{s.get('config_arg', config_arg(family, mode, seed))}` |")
     for seed, value in seed_stats.posthoc(summary[family]).items():
+      arg = runs.get(f"bf16/seed{seed}", {}).get("config_arg", "")
+      scale = dict(kv.split("=", 1) for kv in arg.split(",") if "=" in kv).get("scale", "cpu")
+      flag = "" if scale == "cpu" else f" --scale={scale}"
       lines.append(f"| {family} | bf16 policy, MXFP4 post hoc | | -> {f(value, '{:.3f}')} | | "
-                   f"| | | `experiments/ablation.py --families={family} --modes=bf16 "
+                   f"| | | `experiments/ablation.py{flag} --families={family} --modes=bf16 "
                    f"--seeds={seed}` |")
   return "\n".join(lines)
 

@@ -400,3 +400,18 @@ def test_the_gpu_scale_is_the_gpu_policy_on_harder_tasks_with_its_own_command(ca
   with pytest.raises(ValueError,
                      match=r"unknown ablation scale 'tpu'; choose one of \('cpu', 'gpu'\)"):
     ablation_config.get_config("scale=tpu")
+
+
+def test_the_post_hoc_row_s_command_names_the_scale_its_bf16_run_was_trained_at():
+  """A `--scale=gpu` bf16 run's post-hoc row reproduces through a command with `--scale=gpu`
+  (without it, the command evaluates the CPU-scale run of that seed)."""
+  run = {"reward_first": 0.1, "reward_last": 0.2, "eval_accuracy_before_rl": 0.3,
+         "eval_accuracy_after": 0.4, "mismatch_kl_k3": 1e-3, "flip_rate": None,
+         "record_bytes_per_token": 0, "posthoc_fp4_accuracy": 0.35}
+  for scale, flag in (("cpu", ""), ("gpu", " --scale=gpu")):
+    arg = ablation.config_arg("reasoning", "bf16", 0, scale=scale)
+    summary = {"reasoning": {"runs": {"bf16/seed0": {**run, "config_arg": arg}},
+                             "final_eval_accuracy": {}}}
+    row = ablation.markdown_table(summary, ["reasoning"]).splitlines()[-1]
+    assert row.endswith(f"| `experiments/ablation.py{flag} --families=reasoning --modes=bf16 "
+                        f"--seeds=0` |"), row
