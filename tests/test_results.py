@@ -210,14 +210,15 @@ def test_notebook_runs_top_to_bottom_on_the_results_files_alone(tmp_path):
   assert [os.path.basename(p) for p in paths] == [f"{n}.png" for n in figures.FIGURES]
 
 
-def check_committed(root: pathlib.Path, tmp_path) -> None:
+def check_committed(root: pathlib.Path, tmp_path, sub: str = "") -> None:
   """The committed PNGs of `root` are the figures its committed results draw; until curves.json
-  is committed RESULTS.md says they predate it and --figures_only refuses to overwrite them."""
-  results, figs = root / "experiments" / "results", root / "experiments" / "figures"
+  is committed RESULTS.md says they predate it and --figures_only refuses to overwrite them.
+  sub: "gpu" for the --scale=gpu results and figures (experiments/{results,figures}/gpu)."""
+  results, figs = root / "experiments" / "results" / sub, root / "experiments" / "figures" / sub
   assert sorted(p.name for p in figs.glob("*.png")) == sorted(f"{n}.png" for n in figures.FIGURES)
   results_md = (root / "RESULTS.md").read_text()
   for name in figures.FIGURES:
-    assert f"(experiments/figures/{name}.png)" in results_md
+    assert f"(experiments/figures/{sub + '/' if sub else ''}{name}.png)" in results_md
   if not (results / "curves.json").exists():
     assert NOTICE in results_md and "python experiments/ablation.py" in results_md
     with pytest.raises(SystemExit, match="curves.json is missing"):
@@ -233,6 +234,8 @@ def check_committed(root: pathlib.Path, tmp_path) -> None:
   for path in figures.make_all(str(results), str(tmp_path / "redrawn")):
     committed = figs / os.path.basename(path)
     assert matplotlib.image.imread(path).shape == matplotlib.image.imread(committed).shape, path
+  if sub:  # the notebook reads the CPU-scale results
+    return
   artists = execute_notebook(root / "experiments" / "ablation.ipynb", tmp_path / "notebook",
                              cwd=root / "experiments")  # on the committed results
   assert len(artists) == len(figures.FIGURES) and all(n > 0 for f in artists for n in f)
@@ -240,6 +243,10 @@ def check_committed(root: pathlib.Path, tmp_path) -> None:
 
 def test_committed_figures_and_results_agree(tmp_path):
   check_committed(ROOT, tmp_path)
+
+
+def test_committed_gpu_scale_figures_and_results_agree(tmp_path):
+  check_committed(ROOT, tmp_path, "gpu")
 
 
 def test_the_check_holds_once_a_full_run_is_committed(tmp_path):
