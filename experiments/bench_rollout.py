@@ -1,7 +1,7 @@
 """Rollout decode throughput, FP4 against BF16 in the same engine, on a few-layer qwen3_30b_a3b.
 
-    python experiments/bench_rollout.py [--out=DIR] [--layers=2] [--batches=16,64,256] \
-        [--context=4080] [--steps=16] [--slots=N] [--profile] [--hlo] \
+    python experiments/bench_rollout.py [--out=DIR] [--layers=2] [--batches=16,64,256,max] \
+        [--memory_gb=F] [--context=4080] [--steps=16] [--slots=N] [--profile] [--hlo] \
         [--variants=bf16:xla,bf16:pallas,mxfp4:pallas,mxfp4:pallas+scan,...]
 
 A GPU benchmark. For each variant (precision of weights, activations and KV: bf16 | mxfp4 |
@@ -32,7 +32,10 @@ bytes one decode step must move (weights of the attention and of the experts the
 (E (1 - (1 - k/E)^B) of them under uniform routing), the LM head, the KV cache, activations
 neglected) and that byte count's time at the copy bandwidth measured in the same run, as a
 fraction of the measured step (the roofline fraction). The largest batch each precision fits is
-computed from byte counts for the full 48-layer model in the device's memory. Writes
+computed from byte counts for the full 48-layer model in the device's memory; `--batches=max`
+runs each variant at its own largest batch (a multiple of 8) in one memory budget, counted from
+its compiled decode loop (weights, state, XLA's temporaries): FP4 against bf16 "each at the
+largest batch it fits" in the same memory (`--memory_gb`, by default the device's). Writes
 bench_rollout.json and prints a table; BENCHMARKS.md quotes it.
 """
 
@@ -267,6 +270,54 @@ def check_fits(memory: dict, batch: int) -> None:
                       f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB are free")
 
 
+MAX_MULTIPLE = 8  # `--batches=max` runs the largest multiple of this that fits
+
+
+def loop_bytes(engine, weights, batch: int, context: int, steps: int, slots: int | None = None,
+               compiled: dict | None = None) -> int:
+  """The bytes the decode loop at `batch` takes with its weights: the weights, its state and
+  XLA's temporaries (`decode_memory` of the loop compiled from shapes: nothing allocated);
+  `compiled` keeps (decode, memory) by batch for the run to reuse."""
+  shapes = jax.eval_shape(lambda k: decode_state(engine, weights, batch, context, steps, k, slots),
+                          jax.random.PRNGKey(batch))
+  decode = engine.compiled_decode(weights, shapes)
+  memory = decode_memory(decode, weights, shapes)
+  if compiled is not None:
+    compiled[batch] = decode, memory
+  return memory["weights_bytes"] + memory["state_bytes"] + memory["temp_bytes"]
+
+
+def largest_batch(engine, weights, context: int, steps: int, budget: int,
+                  slots: int | None = None, compiled: dict | None = None) -> int:
+  """The largest multiple of MAX_MULTIPLE whose decode loop (`loop_bytes`) fits in `budget`
+  bytes, 0 if none does. A first guess from the state's bytes a sequence (shapes only), then
+  the compiled loops' own counts: down in proportion while a loop does not fit (all but the
+  weights taken as growing with the batch), up while the next multiple might (its state beside
+  this loop's temporaries: XLA's temporaries do not shrink with the batch). A few compiles."""
+  state = lambda b: _nbytes(jax.eval_shape(
+      lambda k: decode_state(engine, weights, b, context, steps, k, slots), jax.random.PRNGKey(0)))
+  per_seq = state(2) - state(1)
+  fixed = _nbytes(weights) + state(1) - per_seq
+  floor = lambda b: b // MAX_MULTIPLE * MAX_MULTIPLE
+  b = max(MAX_MULTIPLE, floor((budget - fixed) // per_seq))
+  seen = {}
+
+  def used(b):
+    if b not in seen:
+      seen[b] = loop_bytes(engine, weights, b, context, steps, slots, compiled)
+    return seen[b]
+
+  w = _nbytes(weights)
+  while b >= MAX_MULTIPLE:
+    if used(b) > budget:
+      b = min(b - MAX_MULTIPLE, floor(b * max(0, budget - w) // (used(b) - w)))
+    elif used(b) + MAX_MULTIPLE * per_seq <= budget and used(b + MAX_MULTIPLE) <= budget:
+      b += MAX_MULTIPLE
+    else:
+      return b
+  return 0
+
+
 def step_split(engine, weights, state, until: int, steps: int) -> dict:
   """Where a decode step's GPU time goes: microseconds per step of each kernel name in a
   profiler trace of one decode loop, largest first (the Pallas kernels are named triton_* and
@@ -312,18 +363,26 @@ def _top(split: dict, top: int = 12) -> dict:
   return out
 
 
-def run(layers: int, batches: list[int], context: int, steps: int, variants: list[str],
+def run(layers: int, batches: list, context: int, steps: int, variants: list[str],
         preset: str = "qwen3_30b_a3b", profile: bool = False, hlo_dir: str | None = None,
-        slots: int | None = None, sync: bool = False) -> dict:
+        slots: int | None = None, sync: bool = False, memory_bytes: int | None = None) -> dict:
+  """batches: ints, and "max" for each variant's largest batch (`largest_batch`) in
+  `memory_bytes` (by default the memory the device lets arrays take)."""
+  limit_bytes = device_bytes()
+  budget = memory_bytes or limit_bytes
+  if "max" in batches and not budget:
+    raise ValueError("--batches=max needs a memory budget: --memory_gb (this device does not "
+                     "say how much memory arrays may take)")
   cfg = model_preset(preset, n_layers=layers)
   copy = copy_bandwidth()
   device = jax.devices()[0]
-  limit_bytes = device_bytes()
   result = {"device": str(device.device_kind), "jax": jax.__version__, "preset": preset,
             "layers": layers,
             "context": context, "steps": steps, "slots": slots, "copy_bytes_per_s": copy,
             "memory_bytes": limit_bytes, "rows": [], "max_batch": {}, "sync_s_per_layer": {},
             "errors": []}
+  if "max" in batches:
+    result["budget_bytes"] = budget
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
@@ -348,14 +407,25 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention,
                            scan_decode=scan, w4a4=w4a4)
     for b in batches:
-      key = jax.random.PRNGKey(b)
+      largest, compiled = b == "max", {}
       memory = {}
       try:
         t0 = time.perf_counter()
-        shapes = jax.eval_shape(  # compiled from shapes: nothing allocated until it fits
-            lambda k: decode_state(engine, weights, b, context, steps, k, slots), key)
-        decode = engine.compiled_decode(weights, shapes)  # the executable engine.run calls
-        memory = decode_memory(decode, weights, shapes)
+        if largest:
+          b = largest_batch(engine, weights, context, steps, budget, slots, compiled)
+          if not b:
+            raise MemoryError(f"no batch of {MAX_MULTIPLE} fits in {_size(budget)}")
+          print(json.dumps({"variant": variant, "largest_batch": b, "budget_bytes": budget}),
+                flush=True)
+        key = jax.random.PRNGKey(b)
+        if b in compiled:
+          decode, memory = compiled[b]
+        else:
+          shapes = jax.eval_shape(  # compiled from shapes: nothing allocated until it fits
+              lambda k: decode_state(engine, weights, b, context, steps, k, slots), key)
+          decode = engine.compiled_decode(weights, shapes)  # the executable engine.run calls
+          memory = decode_memory(decode, weights, shapes)
+        compiled = None
         check_fits(memory, b)
         state = decode_state(engine, weights, b, context, steps, key, slots)
         if hlo_dir:  # before the first call, so a loop that runs out of memory is kept too
@@ -376,6 +446,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
         assert int(out["t"]) == context + steps, int(out["t"])
       except Exception as e:  # noqa: BLE001  (out of memory at a large batch: reported)
         state = out = None
+        compiled = None
         result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]}"
                                 + (f" (decode loop: {memory})" if memory else ""))
         print("ERROR", result["errors"][-1], flush=True)
@@ -388,7 +459,7 @@ def run(layers: int, batches: list[int], context: int, steps: int, variants: lis
       row = {"variant": variant, "batch": b, "tokens_per_s": b / seconds,
              "step_ms": seconds * 1e3, "bytes_per_step": nbytes,
              "roofline_frac": nbytes["total"] / copy / seconds, "first_call_s": compile_s,
-             "decode_memory": memory}
+             "decode_memory": memory, "largest": largest}
       out = None
       if profile:
         state = decode_state(engine, weights, b, context, steps, key, slots)
@@ -428,11 +499,33 @@ def table(result: dict) -> str:
           f"{name} {us}" for name, us in _top(r["kernels_us_per_step"]).items()))
   for v, sec in result.get("sync_s_per_layer", {}).items():
     lines.append(f"weight sync {v}: {sec * 1e3:.1f} ms a layer, {sec * 48:.2f} s for 48 layers")
+  largest = [r for r in result["rows"] if r.get("largest")]
+  if largest:
+    lines.append(f"largest batch in {_size(result['budget_bytes'])}, the decode loop's own "
+                 "count (weights, state, temporaries): " + ", ".join(
+                     f"{r['variant']} {r['batch']}" for r in largest))
   for p, b in result["max_batch"].items():
     lines.append(f"largest batch in a {result['slots'] or result['context'] + result['steps']}"
                  f"-slot cache, 48 layers, "
                  f"{result['memory_bytes'] / 2**30:.0f} GiB: {p} {b}")
   return "\n".join(lines + [f"ERROR {e}" for e in result["errors"]])
+
+
+def _size(nbytes: int) -> str:
+  return f"{nbytes / 2**30:.0f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def _batches(text: str) -> list:
+  """--batches: comma separated positive ints and "max"."""
+  out = []
+  for item in (t.strip() for t in text.split(",")):
+    if item == "max":
+      out.append(item)
+    elif item.isdigit() and int(item) > 0:
+      out.append(int(item))
+    elif item:
+      raise argparse.ArgumentTypeError(f"{item!r} is neither a positive batch size nor max")
+  return out
 
 
 def main():
@@ -441,7 +534,13 @@ def main():
   parser.add_argument("--preset", default="qwen3_30b_a3b",
                       help="model shapes (trace_jax.models.config.PRESETS); small: a CPU check")
   parser.add_argument("--layers", type=int, default=2)
-  parser.add_argument("--batches", default="16,64,256")
+  parser.add_argument("--batches", default="16,64,256", type=_batches,
+                      help="batch sizes, and max: each variant at the largest multiple of "
+                      f"{MAX_MULTIPLE} whose decode loop fits in --memory_gb (weights, state and "
+                      "XLA's temporaries, from the compiled loop)")
+  parser.add_argument("--memory_gb", type=float, default=None,
+                      help="the memory budget of --batches=max, GiB (default: what the device "
+                      "lets arrays take): the same for every variant")
   parser.add_argument("--context", type=int, default=4080,
                       help="context tokens; with --steps 16 the cache is 4096 slots, a power of "
                       "two of 64-slot blocks, which the attention kernel splits evenly")
@@ -465,9 +564,12 @@ def main():
     except ValueError as e:
       parser.error(str(e))
   os.makedirs(args.out, exist_ok=True)
-  result = run(args.layers, [int(b) for b in args.batches.split(",") if b], args.context,
-               args.steps, variants, args.preset, args.profile, args.out if args.hlo else None,
-               args.slots, args.sync)
+  memory = int(args.memory_gb * 2**30) if args.memory_gb else None
+  if "max" in args.batches and not (memory or device_bytes()):
+    parser.error("--batches=max needs --memory_gb here: this device does not say how much "
+                 "memory arrays may take")
+  result = run(args.layers, args.batches, args.context, args.steps, variants, args.preset,
+               args.profile, args.out if args.hlo else None, args.slots, args.sync, memory)
   with open(os.path.join(args.out, "bench_rollout.json"), "w") as fh:
     json.dump(result, fh, indent=1)
   print(table(result))

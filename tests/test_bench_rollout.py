@@ -1,6 +1,7 @@
 """The rollout benchmark's variant names (its run on CPU is in test_experiments.py, slow)."""
 
 import re
+import sys
 
 import pytest
 
@@ -204,3 +205,46 @@ def test_the_kernel_engine_computes_with_the_quantize_kernels_values():
   sites = {line for _, line, _, _ in row["where"]}
   assert not [s for s in sites if "decode" in s and "codecs" in s], sorted(sites)
   assert all(mb >= 0 for *_, mb in row["where"])
+
+
+def test_max_runs_each_precision_at_the_largest_batch_its_decode_fits_in_the_same_memory():
+  """`--batches=max` (issue 18's "each at the largest batch it fits"): each variant decodes at
+  the largest multiple of 8 whose weights, decode state and XLA temporaries fit in one memory
+  budget (`--memory_gb`, or the device's), counted from the compiled loop; 8 more would not fit.
+  The FP4 cache and weights leave room for more sequences than bf16's."""
+  budget = 12 * 2**20
+  result = bench_rollout.run(1, ["max"], 240, 16, ["bf16:xla", "mxfp4:xla"], preset="tiny",
+                             memory_bytes=budget)
+  assert not result["errors"], result["errors"]
+  assert result["budget_bytes"] == budget
+  rows = {r["variant"]: r for r in result["rows"]}
+  for row in rows.values():
+    m = row["decode_memory"]
+    assert row["largest"] and row["batch"] % 8 == 0 and row["batch"] >= 8
+    assert m["weights_bytes"] + m["state_bytes"] + m["temp_bytes"] <= budget, row["variant"]
+  import jax
+
+  from trace_jax.models import QuantRecipe
+  from trace_jax.models.config import preset
+  from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
+  cfg, recipe = preset("tiny", n_layers=1), QuantRecipe.uniform("mxfp4")
+  engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=16))
+  weights = bench_rollout.random_weights(cfg, recipe, bench_rollout.make_ops("xla"),
+                                         jax.random.PRNGKey(0))
+  b = rows["mxfp4:xla"]["batch"]
+  assert bench_rollout.loop_bytes(engine, weights, b, 240, 16) <= budget
+  assert bench_rollout.loop_bytes(engine, weights, b + 8, 240, 16) > budget
+  assert rows["mxfp4:xla"]["batch"] > rows["bf16:xla"]["batch"]  # (XLA's CPU temporaries
+  # grow with the batch here, the FP4 loop's most: on the GPU its 64 MB do not)
+  assert "largest batch in 12 MiB" in bench_rollout.table(result)
+
+
+def test_max_needs_a_memory_budget_and_bad_batches_are_named(monkeypatch, capsys):
+  monkeypatch.setattr(bench_rollout, "memory_stats", lambda: {})  # a device that says nothing
+  with pytest.raises(ValueError, match="--batches=max needs a memory budget: --memory_gb"):
+    bench_rollout.run(1, ["max"], 48, 16, ["bf16:xla"], preset="tiny")
+  for bad in ("64,most", "0", "-8"):
+    monkeypatch.setattr(sys, "argv", ["bench_rollout.py", f"--batches={bad}"])
+    with pytest.raises(SystemExit):
+      bench_rollout.main()
+    assert "--batches: " in capsys.readouterr().err
