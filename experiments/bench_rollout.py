@@ -59,7 +59,7 @@ from pallas_kernels.timing import copy_bandwidth, kernel_times, wall_seconds  # 
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
 from pallas_kernels.dispatch import ATTENTION_KERNELS, FP4_ORDER, make_ops  # noqa: E402
-from trace_jax.models.rollout_path import new_kv_cache  # noqa: E402
+from trace_jax.models.rollout_path import lay_out, new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
 
@@ -147,7 +147,7 @@ def random_weights(cfg, recipe, ops, key, stacked: bool = False):
     made = {n: _unit_scales(v) if isinstance(v, QArray) else v for n, v in made.items()}
     for n in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
       made[n] = jnp.ones_like(made[n])
-    return {n: ops.weight_layout(v) if isinstance(v, QArray) else v for n, v in made.items()}
+    return lay_out(made, ops)
 
   keys = [jax.random.fold_in(key, i) for i in range(cfg.n_layers)]
   if stacked:
@@ -217,7 +217,7 @@ def step_bytes(cfg, weights, cache, batch: int, filled: float = 1.0) -> dict:
   LM head (the embedding reads B rows: neglected), the filled fraction of the KV cache."""
   attn = expert = 0
   for layer in weights.layers:
-    attn += _nbytes([layer[n] for n in ("wq", "wk", "wv", "wo")])
+    attn += _nbytes([layer[n] for n in ("wq", "wk", "wv", "wo", "wq+wk+wv") if n in layer])
     expert += _nbytes([layer[n] for n in ("w_gate", "w_up", "w_down")])
   hit = 1 - (1 - cfg.top_k / cfg.n_experts) ** batch
   head = _nbytes(weights.lm_head if weights.lm_head is not None else weights.embed)

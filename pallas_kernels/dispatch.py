@@ -277,15 +277,21 @@ class KernelOps(XlaOps):
   "w4a4_fold_misses".
 
   `fp4_order`: the nibble order of the FP4 weights it tiles for the Mosaic matmuls
-  (`layout.ORDERS`); the kernels read each weight's own, so weights tiled either way run."""
+  (`layout.ORDERS`); the kernels read each weight's own, so weights tiled either way run.
+
+  `fuse_qkv`: the weight sync packs wq, wk and wv side by side as one weight
+  (`rollout_path.Fused`) where their packing allows (not NVFP4's per-matrix globals), so a
+  layer's q, k and v take one matmul: at decode one kernel launch and one sum of its split
+  partials where there were three."""
 
   name = "pallas"
 
   def __init__(self, attention_kernel: str = "auto", w4a4: bool = False,
-               fp4_order: str = FP4_ORDER):
+               fp4_order: str = FP4_ORDER, fuse_qkv: bool = True):
     self.attention_kernel = attention_kernel
     self.w4a4 = w4a4
     self.fp4_order = fp4_order
+    self.fuse = (("wq", "wk", "wv"),) if fuse_qkv else ()
 
   def weight_layout(self, w):
     if self.w4a4:

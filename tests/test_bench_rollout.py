@@ -183,9 +183,9 @@ def test_decode_ops_counts_what_surrounds_the_kernels_on_hopper():
   assert "triton_decode_attention" in pairs["kernels"]  # attention, not the Mosaic one)
   assert pairs["kernels"] == halves["kernels"]
   fewer = {k: pairs["movement"][k] - halves["movement"][k] for k in pairs["movement"]}
-  # a layer's 4 dense and 3 grouped calls: x^T (7), its even and odd rows (14), the grouped
-  # calls' barrier before the gather (3); nothing else
-  assert fewer == {**{k: 0 for k in fewer}, "transpose": 7, "slice": 14,
+  # a layer's 2 dense calls (q, k and v in one, `Fused`; and o) and 3 grouped calls: x^T (5),
+  # its even and odd rows (10), the grouped calls' barrier before the gather (3); nothing else
+  assert fewer == {**{k: 0 for k in fewer}, "transpose": 5, "slice": 10,
                    "optimization_barrier": 3}
   assert bf16["movement"]["transpose"] == 0 and "fp4_wgmma" not in bf16["kernels"]
   assert dispatch._interpret()  # the patches undone: on CPU the kernels interpret again

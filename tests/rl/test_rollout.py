@@ -460,13 +460,18 @@ def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precisio
 def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision, order):
   """pack_weights with the kernels' ops lays every FP4 projection out for the Mosaic kernels (in
   the ops' nibble order): the same bytes as the plain packing, permuted (`untile` gives them
-  back bit for bit)."""
+  back bit for bit); q, k and v packed as one weight too, where they are."""
   from pallas_kernels.fp4_matmul.layout import TiledFP4, untile
   cfg, params = policy()
   recipe = QuantRecipe.uniform(precision)
   plain = pack_weights(cfg, params, recipe)
   from pallas_kernels import dispatch
-  ops = dispatch.make_ops("pallas", fp4_order=order)
+  fused = pack_weights(cfg, params, recipe, ops=dispatch.make_ops("pallas", fp4_order=order))
+  for layer in fused.layers:
+    w = layer.get("wq+wk+wv", layer.get("wq"))  # (NVFP4's apart)
+    w = getattr(w, "w", w)
+    assert isinstance(w, TiledFP4) and w.order == order
+  ops = dispatch.KernelOps(fp4_order=order, fuse_qkv=False)  # each projection on its own
   tiled = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=ops))(params)
   ones = 0  # the tiled MXFP4 weights' unit globals (the kernels read one either way)
   for layer_t, layer_p in zip(tiled.layers, plain.layers):
@@ -577,13 +582,16 @@ def test_w4a4_engine_takes_the_activations_codes_and_keeps_the_records_exact(mon
   from pallas_kernels.fp4_matmul.w4a4_layout import TiledW4
   cfg, params, recipe, (xla, b), taken = _w4a4_rollouts(monkeypatch)
   assert taken and all(ok for *_, ok in taken), [t for t in taken if not t[-1]]
-  # wq, wk / wv, wo and the experts' gate / up and down: every output width, both kinds
+  # wq, wk and wv as one weight, wo, and the experts' gate / up and down: every output width,
+  # both kinds
   assert {(n, width) for n, width, _ in taken} == {
-      ("_w4a4_linear", cfg.n_heads * cfg.head_dim), ("_w4a4_linear", cfg.n_kv_heads * cfg.head_dim),
-      ("_w4a4_linear", cfg.d_model), ("_w4a4_experts", cfg.d_ff), ("_w4a4_experts", cfg.d_model)}
+      ("_w4a4_linear", cfg.q_dim + 2 * cfg.kv_dim), ("_w4a4_linear", cfg.d_model),
+      ("_w4a4_experts", cfg.d_ff), ("_w4a4_experts", cfg.d_model)}
   from pallas_kernels import dispatch as K
   packed = pack_weights(cfg, params, recipe, ops=K.make_ops("pallas", w4a4=True))
-  assert all(isinstance(packed.layers[0][w], TiledW4) for w in WEIGHT_AXES)
+  layer = packed.layers[0]
+  assert all(isinstance(layer[w], TiledW4) for w in ("wo", "w_gate", "w_up", "w_down"))
+  assert isinstance(layer["wq+wk+wv"].w, TiledW4)
   np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(xla.tokens))
   np.testing.assert_allclose(np.asarray(b.logp), np.asarray(xla.logp), atol=2e-2)
   assert set(b.stats) == {"w4a4_fold_misses"} and int(b.stats["w4a4_fold_misses"]) == 0
@@ -621,3 +629,37 @@ def test_w4a4_needs_the_pallas_kernels():
   cfg, _ = policy()
   with pytest.raises(ValueError, match="w4a4 runs the Pallas kernels"):
     RolloutEngine(cfg, QuantRecipe.uniform("mxfp4"), SamplingConfig(), w4a4=True)
+
+
+@pytest.mark.parametrize("precision", ["mxfp4", "bf16", "nvfp4"])
+def test_the_kernels_weight_sync_packs_q_k_and_v_as_one_weight(precision):
+  """With the kernels' ops the weight sync packs wq, wk and wv side by side as one weight
+  (`Fused`: one matmul of the layer's normed input where there were three, at decode three
+  kernel launches and their partial sums become one): column for column the values of the
+  three packed apart. NVFP4's per-matrix global keeps them apart. The engine decodes the same
+  greedy tokens from either packing, log-probabilities equal up to float32 summation order."""
+  from pallas_kernels import dispatch
+  from trace_jax.models.rollout_path import Fused
+  cfg, params = policy()
+  recipe = QuantRecipe.uniform(precision)
+  ops = dispatch.make_ops("pallas")
+  fused = pack_weights(cfg, params, recipe, ops=ops)
+  apart = pack_weights(cfg, params, recipe, ops=dispatch.KernelOps(fuse_qkv=False))
+  names = ("wq", "wk", "wv")
+  for layer_f, layer_a in zip(fused.layers, apart.layers):
+    assert all(n in layer_a for n in names) and "wq+wk+wv" not in layer_a
+    if precision == "nvfp4":
+      assert all(n in layer_f for n in names) and "wq+wk+wv" not in layer_f
+      continue
+    w = layer_f["wq+wk+wv"]
+    assert isinstance(w, Fused) and not set(names) & set(layer_f)
+    assert w.sizes == (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)
+    want = np.concatenate([np.asarray(ops.dense(layer_a[n]), np.float32) for n in names], -1)
+    got = np.asarray(ops.dense(w.w), np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=6, temperature=0.0),
+                         records="all", attn_chunk=16, kernels="pallas")
+  tokens, lengths = pad_prompts(PROMPTS)
+  a, b = (engine.generate(w, tokens, lengths, jax.random.PRNGKey(7)) for w in (fused, apart))
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-4)

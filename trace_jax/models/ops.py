@@ -21,6 +21,9 @@ class XlaOps:
   """Every rollout operation by XLA (the reference the kernels are checked against)."""
 
   name = "xla"
+  # groups of projections of one input the weight sync packs as one weight (`Fused`), which
+  # one matmul computes: none here (XLA's rollout is the reference, weight by weight)
+  fuse: tuple[tuple[str, ...], ...] = ()
 
   def weight_layout(self, w):
     return w

@@ -131,6 +131,9 @@ class _TrainLayer:
   def linear(self, x, w, name):
     return L.dense(x, self.path.weight(w, self.rep, name))
 
+  def linears(self, x, p, names):
+    return [self.linear(x, p[n], n) for n in names]
+
   def experts(self, x, w, rows, name):
     xs = next((s for a, r, s in self._sorted if a is x and r is rows), None)
     if xs is None:

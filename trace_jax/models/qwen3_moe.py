@@ -43,6 +43,10 @@ class LayerPath(Protocol):
 
   def linear(self, x: jax.Array, w: Any, name: str) -> jax.Array: ...
 
+  def linears(self, x: jax.Array, p: Params, names: tuple[str, ...]) -> list[jax.Array]:
+    """`linear` of x by each of the layer's weights p[name]: a backend may hold them as one
+    weight (the rollout's `Fused`) and compute them in one matmul."""
+
   def experts(self, x: jax.Array, w: Any, rows: L.ExpertRows, name: str) -> jax.Array:
     """x [..., D] as rows [R, D] through their experts' w [E, D, F] -> [S, F] (`rows`: which
     rows each expert takes, and the output's order; `L.grouped_rows`)."""
@@ -114,9 +118,10 @@ def decoder_layer(cfg: ModelConfig, p: Params, h_BxTxD: jax.Array, pos_BxT: jax.
   """One block. Returns the new residual stream, the router probabilities and the experts."""
   b, t, _ = h_BxTxD.shape
   x = path.norm_act(h_BxTxD, p["attn_norm"], cfg.norm_eps, "attn_in")
-  q = path.linear(x, p["wq"], "wq").reshape(b, t, cfg.n_heads, cfg.head_dim)
-  k = path.linear(x, p["wk"], "wk").reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-  v = path.linear(x, p["wv"], "wv").reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+  q, k, v = path.linears(x, p, ("wq", "wk", "wv"))
+  q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+  k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+  v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
   q = L.rope(L.rms_norm(q, p["q_norm"], cfg.norm_eps), pos_BxT, cfg.rope_theta)
   k = L.rope(L.rms_norm(k, p["k_norm"], cfg.norm_eps), pos_BxT, cfg.rope_theta)
   o = path.attention(q, k, v)  # quantizes K and V at the kv sites first

@@ -23,7 +23,7 @@ from trace_jax.models.config import ModelConfig
 from trace_jax.models.ops import XLA
 from trace_jax.models.paths import per_matrix
 from trace_jax.models.recipe import SITES, WEIGHT_AXES, QuantRecipe
-from trace_jax.quant import BF16
+from trace_jax.quant import BF16, QArray
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,15 +54,65 @@ class RolloutWeights:
     return sum(a.size * a.dtype.itemsize for a in leaves)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["sizes"])
+@dataclasses.dataclass(frozen=True)
+class Fused:
+  """Projections of one input packed as one weight, their columns side by side (`sizes` of
+  them each, in order), which one matmul computes; `_RolloutLayer.linears` splits its output.
+  Stored under the projections' names joined by "+" (`fused_name`)."""
+
+  w: Any
+  sizes: tuple[int, ...]
+
+
+def fused_name(names) -> str:
+  return "+".join(names)
+
+
+def _side_by_side(ws: list):
+  """Packed [K, N_i] weights as one [K, sum N_i] whose columns are theirs, or None where their
+  packing is not column by column (NVFP4's per-matrix global) or they differ in kind."""
+  if all(isinstance(w, jax.Array) for w in ws) and len({w.dtype for w in ws}) == 1:
+    return jnp.concatenate(ws, axis=-1)
+  if not all(isinstance(w, QArray) for w in ws):
+    return None
+  first = ws[0]
+  if any(w.fmt.name != first.fmt.name or w.axis != -2 or w.global_scale is not None
+         or (w.scales is None) != (first.scales is None) for w in ws):
+    return None
+  cat = lambda arrays: jnp.concatenate(arrays, axis=-1)
+  return QArray(cat([w.codes for w in ws]),
+                None if first.scales is None else cat([w.scales for w in ws]), None,
+                first.fmt, first.axis)
+
+
+def lay_out(layer: dict, ops) -> dict:
+  """A layer's packed weights as the ops' kernels read them: the groups the ops fuse
+  (`ops.fuse`, projections of one input) side by side as one `Fused` weight where their packing
+  allows, then each quantized weight in the ops' layout (`ops.weight_layout`)."""
+  layer = dict(layer)
+  for names in ops.fuse:
+    w = _side_by_side([layer[n] for n in names])
+    if w is not None:
+      layer[fused_name(names)] = Fused(w, tuple(layer[n].shape[-1] for n in names))
+      for n in names:
+        del layer[n]
+
+  def one(w):
+    if isinstance(w, Fused):
+      return Fused(one(w.w), w.sizes)
+    return ops.weight_layout(w) if isinstance(w, QArray) else w
+  return {k: one(w) for k, w in layer.items()}
+
+
 def _pack_layer(cfg: ModelConfig, p: dict, fmt, ops) -> dict:
+  """One layer's weights, each projection quantized as the recipe says, laid out for the ops
+  (`lay_out`)."""
   packed = dict(p)
   for name in WEIGHT_AXES:
-    if fmt is BF16:
-      packed[name] = p[name].astype(cfg.act_dtype)
-    else:
-      packed[name] = ops.weight_layout(
-          per_matrix(functools.partial(quant.quantize, fmt=fmt), p[name], name))
-  return packed
+    packed[name] = (p[name].astype(cfg.act_dtype) if fmt is BF16 else
+                    per_matrix(functools.partial(quant.quantize, fmt=fmt), p[name], name))
+  return lay_out(packed, ops)
 
 
 def pack_weights(cfg: ModelConfig, params: dict, recipe: QuantRecipe, ops=XLA, *,
@@ -249,6 +299,14 @@ class _RolloutLayer:
   def linear(self, x, w, name):
     y = self.path.ops.linear(x, w, xq=self._qarray(x))
     return L.dense(x, self.path.ops.dense(w)) if y is None else y
+
+  def linears(self, x, p, names):
+    fused = p.get(fused_name(names))
+    if fused is None:
+      return [self.linear(x, p[n], n) for n in names]
+    y = self.linear(x, fused.w, fused_name(names))
+    ends = [sum(fused.sizes[:i + 1]) for i in range(len(names))]
+    return [y[..., lo:hi] for lo, hi in zip([0] + ends[:-1], ends)]
 
   def experts(self, x, w, rows, name):
     x_RxD = x.reshape(-1, x.shape[-1])
