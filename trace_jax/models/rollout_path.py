@@ -91,7 +91,7 @@ def lay_out(layer: dict, ops) -> dict:
   (`ops.fuse`, projections of one input) side by side as one `Fused` weight where their packing
   allows, then each quantized weight in the ops' layout (`ops.weight_layout`)."""
   layer = dict(layer)
-  for names in ops.fuse:
+  for names in getattr(ops, "fuse", ()):
     w = _side_by_side([layer[n] for n in names])
     if w is not None:
       layer[fused_name(names)] = Fused(w, tuple(layer[n].shape[-1] for n in names))
