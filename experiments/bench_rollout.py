@@ -412,9 +412,10 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
       try:
         t0 = time.perf_counter()
         if largest:
-          b = largest_batch(engine, weights, context, steps, budget, slots, compiled)
-          if not b:
+          found = largest_batch(engine, weights, context, steps, budget, slots, compiled)
+          if not found:
             raise MemoryError(f"no batch of {MAX_MULTIPLE} fits in {_size(budget)}")
+          b = found
           print(json.dumps({"variant": variant, "largest_batch": b, "budget_bytes": budget}),
                 flush=True)
         key = jax.random.PRNGKey(b)
@@ -512,7 +513,7 @@ def table(result: dict) -> str:
 
 
 def _size(nbytes: int) -> str:
-  return f"{nbytes / 2**30:.0f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+  return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
 
 
 def _batches(text: str) -> list:
