@@ -49,9 +49,12 @@ GPU_SCHEDULE = {
                   "task.reasoning.max_digits": 2, "max_prompt_len": 16, "rl.max_new_tokens": 6,
                   "sft.steps": 500, "rl.steps": 200},
     "coding": {"sft.steps": 300, "rl.steps": 100},
+    # episodes of ~1 500 tokens: each layer's activations recomputed in the backward pass
+    # (rl.remat, the trainer's, warm start included); without it one warm-start step at a
+    # batch of 8 asked for a 29.9 GB buffer on CPU, and the schedule's batch is 64
     "long_horizon": {"task.long_horizon.turns": 256, "sft.steps": 300, "sft.batch_size": 64,
                      "rl.steps": 60, "rl.prompts_per_step": 16, "eval.size": 50,
-                     "eval.batch_size": 50}}
+                     "eval.batch_size": 50, "rl.remat": "layer"}}
 
 
 def _family_config(family: str):
