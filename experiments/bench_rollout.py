@@ -296,8 +296,9 @@ def largest_batch(engine, weights, context: int, steps: int, budget: int,
   this loop's temporaries: XLA's temporaries do not shrink with the batch). A few compiles."""
   state = lambda b: _nbytes(jax.eval_shape(
       lambda k: decode_state(engine, weights, b, context, steps, k, slots), jax.random.PRNGKey(0)))
+  w = _nbytes(weights)
   per_seq = state(2) - state(1)
-  fixed = _nbytes(weights) + state(1) - per_seq
+  fixed = w + state(1) - per_seq
   floor = lambda b: b // MAX_MULTIPLE * MAX_MULTIPLE
   b = max(MAX_MULTIPLE, floor((budget - fixed) // per_seq))
   seen = {}
@@ -307,7 +308,6 @@ def largest_batch(engine, weights, context: int, steps: int, budget: int,
       seen[b] = loop_bytes(engine, weights, b, context, steps, slots, compiled)
     return seen[b]
 
-  w = _nbytes(weights)
   while b >= MAX_MULTIPLE:
     if used(b) > budget:
       b = min(b - MAX_MULTIPLE, floor(b * max(0, budget - w) // (used(b) - w)))
