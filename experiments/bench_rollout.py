@@ -17,7 +17,9 @@ decode step as a scan over stacked layers, `engine.scan_decode`; `+w4a4` on a pa
 the MXFP4 matmuls on the W4A4 kernels, `engine.w4a4`; `+pairs` on an FP4 pallas variant the
 weights tiled in the "pairs" nibble order, whose Mosaic matmuls take x's even and odd K columns
 transposed, where the engine's default "halves" order takes x as it is (`+halves` names the
-default explicitly): `make_ops(fp4_order=...)`) and
+default explicitly): `make_ops(fp4_order=...)`; `+apart` on a pallas variant the weights packed
+each on its own, where the weight sync packs q, k and v as one, and gate and up as one
+(`make_ops(fuse=False)`)) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -68,13 +70,14 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "bf16:tokamax", "mxfp4:xla", "mxfp4:palla
 
 
 ORDER_SUFFIXES = ("+pairs", "+halves")
-SUFFIXES = ("+scan", "+w4a4", *ORDER_SUFFIXES)
+SUFFIXES = ("+scan", "+w4a4", "+apart", *ORDER_SUFFIXES)
 
 
-def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
-  """A variant, "precision:kernels[:attention][+scan][+w4a4][+pairs|+halves]" -> (precision,
-  kernels, attention backend, whether the decode step scans its layers, whether MXFP4 matmuls
-  run the W4A4 kernels, the FP4 weights' nibble order for the Mosaic matmuls)."""
+def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str, bool]:
+  """A variant, "precision:kernels[:attention][+scan][+w4a4][+apart][+pairs|+halves]" ->
+  (precision, kernels, attention backend, whether the decode step scans its layers, whether
+  MXFP4 matmuls run the W4A4 kernels, the FP4 weights' nibble order for the Mosaic matmuls,
+  whether the weight sync packs the projections of one input as one weight)."""
   name, flags = v, set()
   while name.endswith(SUFFIXES):
     suffix = next(x for x in SUFFIXES if name.endswith(x))
@@ -83,17 +86,19 @@ def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str]:
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
       len(parts) == 3 and parts[1] in ("xla", "tokamax")) or (
-          flags & {"+w4a4", *ORDER_SUFFIXES} and parts[1] != "pallas") or (
+          flags & {"+w4a4", "+apart", *ORDER_SUFFIXES} and parts[1] != "pallas") or (
           flags & set(ORDER_SUFFIXES) and (parts[0] == "bf16" or "+w4a4" in flags)) or (
           set(ORDER_SUFFIXES) <= flags):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
-                     "a pallas one with +w4a4 (the W4A4 matmuls) or, FP4 without +w4a4, "
+                     "a pallas one with +w4a4 (the W4A4 matmuls), +apart (each projection "
+                     "packed apart) or, FP4 without +w4a4, "
                      "one of +pairs or +halves (the FP4 weights' nibble order; default "
                      f"{FP4_ORDER})")
   order = next((o[1:] for o in ORDER_SUFFIXES if o in flags), FP4_ORDER)
-  return parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags, order
+  return (parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags, order,
+          "+apart" not in flags)
 
 
 def random_cache(shapes: list, key) -> list:
@@ -216,9 +221,10 @@ def step_bytes(cfg, weights, cache, batch: int, filled: float = 1.0) -> dict:
   """Bytes one decode step must read: attention weights, the experts the batch can hit, the
   LM head (the embedding reads B rows: neglected), the filled fraction of the KV cache."""
   attn = expert = 0
-  for layer in weights.layers:
+  for layer in weights.layers:  # (packed apart, or as one weight: "wq+wk+wv", `Fused`)
     attn += _nbytes([layer[n] for n in ("wq", "wk", "wv", "wo", "wq+wk+wv") if n in layer])
-    expert += _nbytes([layer[n] for n in ("w_gate", "w_up", "w_down")])
+    expert += _nbytes([layer[n] for n in ("w_gate", "w_up", "w_down", "w_gate+w_up")
+                       if n in layer])
   hit = 1 - (1 - cfg.top_k / cfg.n_experts) ** batch
   head = _nbytes(weights.lm_head if weights.lm_head is not None else weights.embed)
   out = {"attention_weights": attn, "experts": int(expert * hit), "lm_head": head,
@@ -386,13 +392,14 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
-    precision, kernels, attention, scan, w4a4, order = parse_variant(variant)
+    precision, kernels, attention, scan, w4a4, order, fuse = parse_variant(variant)
     # "triton": FP4 weights packed plainly; "tokamax" (bf16) lays nothing out
     layout = "pallas" if kernels == "pallas" else "xla"
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
-    ops = make_ops(layout, w4a4=w4a4, fp4_order=order)
-    layout += ("+w4a4" if w4a4 else "") + ("" if order == FP4_ORDER else f"+{order}")
+    ops = make_ops(layout, w4a4=w4a4, fp4_order=order, fuse=fuse)
+    layout += (("+w4a4" if w4a4 else "") + ("" if order == FP4_ORDER else f"+{order}")
+               + ("" if fuse else "+apart"))
     if (precision, layout, scan) not in packed:  # one packing alive at a time
       packed = weights = state = out = None  # nor the last variant's cache
       packed = {}

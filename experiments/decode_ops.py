@@ -132,14 +132,14 @@ def run(variants, layers: int = 2, batch: int = 64, context: int = 4080,
   cfg = model_preset(preset, n_layers=layers)
   result = {"preset": preset, "layers": layers, "batch": batch, "context": context, "rows": []}
   for variant in variants:
-    precision, kernels, attention, scan, w4a4, order = bench_rollout.parse_variant(variant)
+    precision, kernels, attention, scan, w4a4, order, fuse = bench_rollout.parse_variant(variant)
     if kernels == "xla":
       raise ValueError(f"{variant}: decode_ops counts what surrounds the kernels; take a "
                        "pallas or triton variant")
     layout = "pallas" if kernels == "pallas" else "xla"  # "triton": FP4 weights packed plainly
     recipe = QuantRecipe.uniform(precision)
     with hopper_dispatch():
-      ops = dispatch.make_ops(layout, w4a4=w4a4, fp4_order=order)
+      ops = dispatch.make_ops(layout, w4a4=w4a4, fp4_order=order, fuse=fuse)
       weights = jax.eval_shape(
           lambda k: bench_rollout.random_weights(cfg, recipe, ops, k, stacked=scan),
           jax.random.PRNGKey(0))

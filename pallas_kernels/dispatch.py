@@ -59,6 +59,8 @@ from trace_jax.quant.formats import Format
 
 KERNELS = ("xla", "pallas", "tokamax")
 FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
+# the projections of one input the kernels' weight sync packs as one weight (`KernelOps.fuse`)
+FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
 ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
 # besides NVFP4 ones whose V it takes from registers (`mosaic_attention.v_in_registers`)
@@ -67,14 +69,15 @@ _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
 def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16,
-             w4a4: bool = False, fp4_order: str = FP4_ORDER):
+             w4a4: bool = False, fp4_order: str = FP4_ORDER, fuse: bool = True):
   """The rollout path's ops for `kernels` ("xla" | "pallas" | "tokamax": `TokamaxOps`, a bf16
   baseline on that package's kernels) and, under "pallas", the decode attention's backend
   ("auto" | "triton" | "mosaic"); act_dtype: the model's activations (the kernels take bf16).
   `w4a4`: MXFP4 projections and experts whose input the recipe quantizes to MXFP4 run the W4A4
   kernels (`KernelOps`). `fp4_order`: the nibble order the weight sync tiles FP4 weights in for
   the Mosaic matmuls (`layout.ORDERS`: "halves", the default, takes x as it is; "pairs" its even
-  and odd K columns transposed)."""
+  and odd K columns transposed). `fuse`: the weight sync packs the projections of one input
+  as one weight (`KernelOps.fuse`), or with False each apart."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if fp4_order not in FP4_ORDERS:
@@ -93,7 +96,8 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
                      f"{jnp.dtype(act_dtype).name}")
   if w4a4 and jax.default_backend() == "gpu" and not mosaic.available():
     raise ValueError("w4a4 needs Hopper's FP8 wgmma (the Mosaic GPU kernels); this GPU has none")
-  return KernelOps(attention_kernel, w4a4=w4a4, fp4_order=fp4_order)
+  return KernelOps(attention_kernel, w4a4=w4a4, fp4_order=fp4_order,
+                   fuse=FUSED if fuse else ())
 
 
 def _interpret() -> bool:
@@ -279,19 +283,20 @@ class KernelOps(XlaOps):
   `fp4_order`: the nibble order of the FP4 weights it tiles for the Mosaic matmuls
   (`layout.ORDERS`); the kernels read each weight's own, so weights tiled either way run.
 
-  `fuse_qkv`: the weight sync packs wq, wk and wv side by side as one weight
-  (`rollout_path.Fused`) where their packing allows (not NVFP4's per-matrix globals), so a
-  layer's q, k and v take one matmul: at decode one kernel launch and one sum of its split
-  partials where there were three."""
+  `fuse`: the groups of projections of one input the weight sync packs side by side as one
+  weight (`rollout_path.Fused`) where their packing allows (not NVFP4's per-matrix globals):
+  by default (`FUSED`) wq, wk and wv, whose matmul at decode is one kernel launch and one sum
+  of its split partials where there were three, and the experts' w_gate and w_up, one grouped
+  launch (one read of the dispatched rows) where there were two. `()` packs each apart."""
 
   name = "pallas"
 
   def __init__(self, attention_kernel: str = "auto", w4a4: bool = False,
-               fp4_order: str = FP4_ORDER, fuse_qkv: bool = True):
+               fp4_order: str = FP4_ORDER, fuse: tuple[tuple[str, ...], ...] = FUSED):
     self.attention_kernel = attention_kernel
     self.w4a4 = w4a4
     self.fp4_order = fp4_order
-    self.fuse = (("wq", "wk", "wv"),) if fuse_qkv else ()
+    self.fuse = tuple(tuple(group) for group in fuse)
 
   def weight_layout(self, w):
     if self.w4a4:

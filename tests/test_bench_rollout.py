@@ -11,20 +11,23 @@ from experiments import bench_rollout
 def test_bench_rollout_variant_names():
   parse = bench_rollout.parse_variant
   h = "halves"  # the engine's default nibble order
-  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, h)
-  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic", False, False, h)
-  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, h)
-  assert parse("mxfp4:pallas:mosaic+scan") == ("mxfp4", "pallas", "mosaic", True, False, h)
-  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True, h)
+  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, h, True)
+  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic", False, False, h, True)
+  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, h, True)
+  assert parse("mxfp4:pallas:mosaic+scan") == ("mxfp4", "pallas", "mosaic", True, False, h, True)
+  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True, h, True)
   assert parse("mxfp4:pallas+w4a4+scan") == parse("mxfp4:pallas+scan+w4a4") == (
-      "mxfp4", "pallas", "auto", True, True, h)
-  assert parse("nvfp4:pallas+pairs") == ("nvfp4", "pallas", "auto", False, False, "pairs")
-  assert parse("mxfp4:pallas+pairs+scan") == ("mxfp4", "pallas", "auto", True, False, "pairs")
+      "mxfp4", "pallas", "auto", True, True, h, True)
+  assert parse("nvfp4:pallas+pairs") == ("nvfp4", "pallas", "auto", False, False, "pairs", True)
+  assert parse("mxfp4:pallas+pairs+scan") == ("mxfp4", "pallas", "auto", True, False, "pairs", True)
   assert parse("mxfp4:pallas+halves") == parse("mxfp4:pallas")
+  assert parse("mxfp4:pallas+apart") == ("mxfp4", "pallas", "auto", False, False, h, False)
+  assert parse("bf16:pallas+apart+scan")[3:] == (True, False, h, False)
   for bad in ("mxfp4:xla:mosaic", "mxfp4:pallas:flash", "fp8:pallas", "mxfp4:pallas:mosaic:x",
               "mxfp4", "mxfp4:pallas+scanned", "+scan", "mxfp4:xla+w4a4", "mxfp4:triton+w4a4",
               "mxfp4:xla+pairs", "mxfp4:triton+pairs", "bf16:pallas+pairs",
-              "bf16:pallas+halves", "mxfp4:pallas+w4a4+pairs", "mxfp4:pallas+pairs+halves"):
+              "bf16:pallas+halves", "mxfp4:pallas+w4a4+pairs", "mxfp4:pallas+pairs+halves",
+              "mxfp4:xla+apart", "bf16:tokamax+apart"):
     with pytest.raises(ValueError, match=re.escape(f"unknown variant '{bad}'")):
       parse(bad)
 
@@ -59,6 +62,27 @@ def test_random_weights_are_the_weight_syncs_layout(precision, kernels):
     engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=2))
     out = engine.generate(got, *pad_prompts([[3, 4, 5]]), jax.random.PRNGKey(0))
     assert bool(jnp.all(jnp.isfinite(out.logp)))
+
+
+@pytest.mark.parametrize("precision", ["mxfp4", "bf16"])
+def test_the_bytes_a_step_reads_do_not_depend_on_how_the_weights_are_packed(precision):
+  """`step_bytes` counts a layer's weights alike whether the weight sync packs q, k and v,
+  and gate and up, as one weight each (`Fused`, the kernels' default) or apart: up to the
+  tiled MXFP4 weights' unit globals, 4 bytes a matrix, which the fused weights hold fewer of."""
+  import jax
+
+  from pallas_kernels.dispatch import make_ops
+  from trace_jax.models import QuantRecipe, tiny
+  cfg, recipe = tiny(), QuantRecipe.uniform(precision)
+  fused, apart = (bench_rollout.random_weights(cfg, recipe, make_ops("pallas", fuse=fuse),
+                                               jax.random.PRNGKey(0)) for fuse in (True, False))
+  assert "w_gate+w_up" in fused.layers[0] and "w_gate" in apart.layers[0]
+  # (a batch that hits every expert: (1 - k / E)^B is 0 in float64)
+  counted = [bench_rollout.step_bytes(cfg, w, [], batch=4096) for w in (fused, apart)]
+  globals_ = 4 * (cfg.n_layers * (2 + cfg.n_experts) if precision == "mxfp4" else 0)
+  assert counted[1]["total"] - counted[0]["total"] == globals_
+  assert counted[0]["experts"] > 0 and counted[1]["attention_weights"] == bench_rollout._nbytes(
+      [apart.layers[i][n] for i in range(cfg.n_layers) for n in ("wq", "wk", "wv", "wo")])
 
 
 def test_describe_fusions_names_what_a_profiled_kernel_computes():
@@ -173,20 +197,26 @@ def test_stacked_random_weights_are_the_scanned_decodes_layout():
 def test_decode_ops_counts_what_surrounds_the_kernels_on_hopper():
   """The census traces the decode step with the Hopper dispatch (the Mosaic matmuls by name,
   the Triton attention and quantize-and-record kernels) on any machine, leaves the dispatch as it was,
-  and sees what the "halves" order removes: x's transposes and even/odd slices, not a kernel."""
+  and sees what the "halves" order removes: x's transposes and even/odd slices, not a kernel;
+  and what packing q, k and v as one weight, and gate and up as one, removes: a layer's 4 dense
+  and 3 grouped kernel calls become 2 and 2."""
   from experiments import decode_ops
   from pallas_kernels import dispatch
-  result = decode_ops.run(["mxfp4:pallas+pairs", "mxfp4:pallas", "bf16:pallas"], layers=1,
-                          batch=16, context=123, preset="small")  # 128 slots
-  pairs, halves, bf16 = result["rows"]
+  result = decode_ops.run(["mxfp4:pallas+pairs", "mxfp4:pallas", "bf16:pallas",
+                           "mxfp4:pallas+apart"], layers=1, batch=16, context=123,
+                          preset="small")  # 128 slots
+  pairs, halves, bf16, apart = result["rows"]
+  assert (halves["kernels"]["fp4_wgmma"], halves["kernels"]["grouped_fp4_wgmma"]) == (2, 2)
+  assert (apart["kernels"]["fp4_wgmma"], apart["kernels"]["grouped_fp4_wgmma"]) == (4, 3)
   assert {"fp4_wgmma", "grouped_fp4_wgmma"} <= set(pairs["kernels"])  # (head_dim 32: Triton's
   assert "triton_decode_attention" in pairs["kernels"]  # attention, not the Mosaic one)
   assert pairs["kernels"] == halves["kernels"]
   fewer = {k: pairs["movement"][k] - halves["movement"][k] for k in pairs["movement"]}
-  # a layer's 2 dense calls (q, k and v in one, `Fused`; and o) and 3 grouped calls: x^T (5),
-  # its even and odd rows (10), the grouped calls' barrier before the gather (3); nothing else
-  assert fewer == {**{k: 0 for k in fewer}, "transpose": 5, "slice": 10,
-                   "optimization_barrier": 3}
+  # a layer's 2 dense calls (q, k and v in one, `Fused`; and o) and 2 grouped calls (gate and
+  # up in one; down): x^T (4), its even and odd rows (8), the grouped calls' barrier before
+  # the gather (2); nothing else
+  assert fewer == {**{k: 0 for k in fewer}, "transpose": 4, "slice": 8,
+                   "optimization_barrier": 2}
   assert bf16["movement"]["transpose"] == 0 and "fp4_wgmma" not in bf16["kernels"]
   assert dispatch._interpret()  # the patches undone: on CPU the kernels interpret again
   assert "| mxfp4:pallas+pairs |" in decode_ops.table(result)

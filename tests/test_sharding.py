@@ -101,3 +101,23 @@ def test_a_layout_puts_a_process_rows_and_brings_them_back():
     train.rows(6)
   none = S.Layout(None, {})  # no mesh: the host's arrays, as they are
   assert none.put(x, 16) is x and none.rows(16) == slice(0, 16)
+
+
+def test_weights_the_kernels_pack_as_one_shard_as_theirs_would():
+  """A rollout weight the kernels' weight sync packs from several (`Fused`, named by theirs
+  joined by +) shards as they do: the experts' gate and up over the expert axis, q, k and v
+  replicated."""
+  from jax.sharding import PartitionSpec as P
+
+  from pallas_kernels import dispatch
+  cfg = tiny()
+  weights = pack_weights(cfg, init_params(cfg, jax.random.PRNGKey(0)),
+                         QuantRecipe.uniform("mxfp4"), ops=dispatch.make_ops("pallas"))
+  specs = S.param_logical_specs(weights).layers[0]
+  leaves = lambda name: jax.tree.leaves(specs[name], is_leaf=lambda s: isinstance(s, P))
+  assert leaves("w_gate+w_up") and all(s[0] == "experts" for s in leaves("w_gate+w_up"))
+  assert all(s[0] == "experts" for s in leaves("w_down"))
+  assert leaves("wq+wk+wv") and not any("experts" in s for s in leaves("wq+wk+wv"))
+  mesh = S.make_mesh(data=2, expert=4)
+  placed = S.place(weights, S.param_shardings(weights, mesh, S.ROLLOUT_RULES))
+  assert jax.tree.leaves(placed.layers[0]["w_gate+w_up"])[0].sharding.spec[0] == "expert"

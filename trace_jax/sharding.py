@@ -90,7 +90,8 @@ def param_logical_axes(path, leaf, stacked: bool = False) -> tuple[str | None, .
   names = _path_names(path)
   lead = LEADING_AXES if stacked else ()
   rest = leaf.ndim - len(lead)
-  if any(n in _EXPERT_WEIGHTS for n in names) and rest >= 1:
+  # (a rollout weight packed from several, `rollout_path.Fused`, is named by theirs joined by +)
+  if any(part in _EXPERT_WEIGHTS for n in names for part in n.split("+")) and rest >= 1:
     return lead + ("experts",) + (None,) * (rest - 1)
   return lead + (None,) * rest
 

@@ -471,7 +471,7 @@ def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision, order):
     w = layer.get("wq+wk+wv", layer.get("wq"))  # (NVFP4's apart)
     w = getattr(w, "w", w)
     assert isinstance(w, TiledFP4) and w.order == order
-  ops = dispatch.KernelOps(fp4_order=order, fuse_qkv=False)  # each projection on its own
+  ops = dispatch.KernelOps(fp4_order=order, fuse=())  # each projection on its own
   tiled = jax.jit(functools.partial(pack_weights, cfg, recipe=recipe, ops=ops))(params)
   ones = 0  # the tiled MXFP4 weights' unit globals (the kernels read one either way)
   for layer_t, layer_p in zip(tiled.layers, plain.layers):
@@ -582,16 +582,16 @@ def test_w4a4_engine_takes_the_activations_codes_and_keeps_the_records_exact(mon
   from pallas_kernels.fp4_matmul.w4a4_layout import TiledW4
   cfg, params, recipe, (xla, b), taken = _w4a4_rollouts(monkeypatch)
   assert taken and all(ok for *_, ok in taken), [t for t in taken if not t[-1]]
-  # wq, wk and wv as one weight, wo, and the experts' gate / up and down: every output width,
-  # both kinds
+  # wq, wk and wv as one weight, wo, the experts' gate and up as one weight, and down: every
+  # output width, both kinds
   assert {(n, width) for n, width, _ in taken} == {
       ("_w4a4_linear", cfg.q_dim + 2 * cfg.kv_dim), ("_w4a4_linear", cfg.d_model),
-      ("_w4a4_experts", cfg.d_ff), ("_w4a4_experts", cfg.d_model)}
+      ("_w4a4_experts", 2 * cfg.d_ff), ("_w4a4_experts", cfg.d_model)}
   from pallas_kernels import dispatch as K
   packed = pack_weights(cfg, params, recipe, ops=K.make_ops("pallas", w4a4=True))
   layer = packed.layers[0]
-  assert all(isinstance(layer[w], TiledW4) for w in ("wo", "w_gate", "w_up", "w_down"))
-  assert isinstance(layer["wq+wk+wv"].w, TiledW4)
+  assert all(isinstance(layer[w], TiledW4) for w in ("wo", "w_down"))
+  assert all(isinstance(layer[w].w, TiledW4) for w in ("wq+wk+wv", "w_gate+w_up"))
   np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(xla.tokens))
   np.testing.assert_allclose(np.asarray(b.logp), np.asarray(xla.logp), atol=2e-2)
   assert set(b.stats) == {"w4a4_fold_misses"} and int(b.stats["w4a4_fold_misses"]) == 0
@@ -632,31 +632,38 @@ def test_w4a4_needs_the_pallas_kernels():
 
 
 @pytest.mark.parametrize("precision", ["mxfp4", "bf16", "nvfp4"])
-def test_the_kernels_weight_sync_packs_q_k_and_v_as_one_weight(precision):
+def test_the_kernels_weight_sync_packs_q_k_and_v_and_gate_and_up_as_one_weight_each(precision):
   """With the kernels' ops the weight sync packs wq, wk and wv side by side as one weight
   (`Fused`: one matmul of the layer's normed input where there were three, at decode three
-  kernel launches and their partial sums become one): column for column the values of the
-  three packed apart. NVFP4's per-matrix global keeps them apart. The engine decodes the same
-  greedy tokens from either packing, log-probabilities equal up to float32 summation order."""
+  kernel launches and their partial sums become one), and each expert's w_gate and w_up (one
+  grouped matmul of the dispatched rows where there were two): column for column the values
+  of the weights packed apart. NVFP4's per-matrix globals keep them apart. The engine decodes
+  the same greedy tokens from either packing, log-probabilities equal up to float32 summation
+  order."""
   from pallas_kernels import dispatch
   from trace_jax.models.rollout_path import Fused
   cfg, params = policy()
   recipe = QuantRecipe.uniform(precision)
   ops = dispatch.make_ops("pallas")
+  assert ops.fuse == (("wq", "wk", "wv"), ("w_gate", "w_up"))
   fused = pack_weights(cfg, params, recipe, ops=ops)
-  apart = pack_weights(cfg, params, recipe, ops=dispatch.KernelOps(fuse_qkv=False))
-  names = ("wq", "wk", "wv")
+  apart = pack_weights(cfg, params, recipe, ops=dispatch.make_ops("pallas", fuse=False))
+  groups = {("wq", "wk", "wv"): (cfg.q_dim, cfg.kv_dim, cfg.kv_dim),
+            ("w_gate", "w_up"): (cfg.d_ff, cfg.d_ff)}
   for layer_f, layer_a in zip(fused.layers, apart.layers):
-    assert all(n in layer_a for n in names) and "wq+wk+wv" not in layer_a
-    if precision == "nvfp4":
-      assert all(n in layer_f for n in names) and "wq+wk+wv" not in layer_f
-      continue
-    w = layer_f["wq+wk+wv"]
-    assert isinstance(w, Fused) and not set(names) & set(layer_f)
-    assert w.sizes == (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)
-    want = np.concatenate([np.asarray(ops.dense(layer_a[n]), np.float32) for n in names], -1)
-    got = np.asarray(ops.dense(w.w), np.float32)
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    for names, sizes in groups.items():
+      name = "+".join(names)
+      assert all(n in layer_a for n in names) and name not in layer_a
+      if precision == "nvfp4":
+        assert all(n in layer_f for n in names) and name not in layer_f
+        continue
+      w = layer_f[name]
+      assert isinstance(w, Fused) and not set(names) & set(layer_f)
+      assert w.sizes == sizes
+      want = np.concatenate([np.asarray(ops.dense(layer_a[n]), np.float32) for n in names],
+                            -1)
+      got = np.asarray(ops.dense(w.w), np.float32)
+      np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
   engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=6, temperature=0.0),
                          records="all", attn_chunk=16, kernels="pallas")
   tokens, lengths = pad_prompts(PROMPTS)

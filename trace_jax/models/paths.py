@@ -134,7 +134,10 @@ class _TrainLayer:
   def linears(self, x, p, names):
     return [self.linear(x, p[n], n) for n in names]
 
-  def experts(self, x, w, rows, name):
+  def experts(self, x, p, names, rows):
+    return [self._experts(x, p[n], rows, n) for n in names]
+
+  def _experts(self, x, w, rows, name):
     xs = next((s for a, r, s in self._sorted if a is x and r is rows), None)
     if xs is None:
       xs = x.reshape(-1, x.shape[-1])[rows.src]

@@ -47,9 +47,12 @@ class LayerPath(Protocol):
     """`linear` of x by each of the layer's weights p[name]: a backend may hold them as one
     weight (the rollout's `Fused`) and compute them in one matmul."""
 
-  def experts(self, x: jax.Array, w: Any, rows: L.ExpertRows, name: str) -> jax.Array:
-    """x [..., D] as rows [R, D] through their experts' w [E, D, F] -> [S, F] (`rows`: which
-    rows each expert takes, and the output's order; `L.grouped_rows`)."""
+  def experts(self, x: jax.Array, p: Params, names: tuple[str, ...],
+              rows: L.ExpertRows) -> list[jax.Array]:
+    """x [..., D] as rows [R, D] through their experts' weights p[name] [E, D, F] -> one
+    [S, F] a name (`rows`: which rows each expert takes, and the output's order;
+    `L.grouped_rows`): a backend may hold them as one weight (the rollout's `Fused`) and
+    compute them in one grouped matmul."""
 
   def act(self, x: jax.Array, site: str) -> jax.Array: ...
 
@@ -143,10 +146,9 @@ def moe(cfg: ModelConfig, p: Params, x_BxTxD, idx_BxTxk, gates_BxTxk, path: Laye
   dispatch = L.Dispatch(idx_BxTxk.reshape(b * t, k), cfg.n_experts)
   # each grouped matmul gathers its rows sorted by expert and gives them back per (token,
   # expert slot): the layout of the moe_mid site and its records
-  g = path.experts(x_BxTxD, p["w_gate"], dispatch.of_tokens, "w_gate")
-  u = path.experts(x_BxTxD, p["w_up"], dispatch.of_tokens, "w_up")
+  g, u = path.experts(x_BxTxD, p, ("w_gate", "w_up"), dispatch.of_tokens)
   mid = path.act((jax.nn.silu(g) * u).reshape(b, t, k, cfg.d_ff), "moe_mid")
-  ys = path.experts(mid, p["w_down"], dispatch.of_slots, "w_down")
+  ys, = path.experts(mid, p, ("w_down",), dispatch.of_slots)
   y = ys.reshape(b, t, k, d).astype(jnp.float32) * gates_BxTxk[..., None]
   # slot by slot in float32: a fixed order of adds, whatever batch or sharding XLA sees
   out = y[:, :, 0]

@@ -69,6 +69,12 @@ def fused_name(names) -> str:
   return "+".join(names)
 
 
+def _split(y, sizes) -> list:
+  """A `Fused` weight's output, y [..., sum(sizes)], as its projections' outputs."""
+  ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+  return [y[..., lo:hi] for lo, hi in zip([0] + ends[:-1], ends)]
+
+
 def _side_by_side(ws: list):
   """Packed [K, N_i] weights as one [K, sum N_i] whose columns are theirs, or None where their
   packing is not column by column (NVFP4's per-matrix global) or they differ in kind."""
@@ -300,15 +306,24 @@ class _RolloutLayer:
     y = self.path.ops.linear(x, w, xq=self._qarray(x))
     return L.dense(x, self.path.ops.dense(w)) if y is None else y
 
+  @staticmethod
+  def _fused(p, names):
+    """The `Fused` weight of the projections `names` in the layer's weights p, or None."""
+    return p.get(fused_name(names)) if len(names) > 1 else None
+
   def linears(self, x, p, names):
-    fused = p.get(fused_name(names))
+    fused = self._fused(p, names)
     if fused is None:
       return [self.linear(x, p[n], n) for n in names]
-    y = self.linear(x, fused.w, fused_name(names))
-    ends = [sum(fused.sizes[:i + 1]) for i in range(len(names))]
-    return [y[..., lo:hi] for lo, hi in zip([0] + ends[:-1], ends)]
+    return _split(self.linear(x, fused.w, fused_name(names)), fused.sizes)
 
-  def experts(self, x, w, rows, name):
+  def experts(self, x, p, names, rows):
+    fused = self._fused(p, names)
+    if fused is None:
+      return [self._experts(x, p[n], rows) for n in names]
+    return _split(self._experts(x, fused.w, rows), fused.sizes)
+
+  def _experts(self, x, w, rows):
     x_RxD = x.reshape(-1, x.shape[-1])
     y = self.path.ops.experts(x_RxD, w, rows, xq=self._qarray(x))
     return L.grouped_rows(x_RxD, self.path.ops.dense(w), rows) if y is None else y
