@@ -55,7 +55,7 @@ sys.path.insert(0, ROOT)
 
 from configs.ablation import SCALES  # noqa: E402
 from experiments import curves, figures, seeds as seed_stats  # noqa: E402
-from trace_jax import cli, mismatch  # noqa: E402
+from trace_jax import cli, determinism, mismatch  # noqa: E402
 from trace_jax.models import QuantRecipe, pack_weights  # noqa: E402
 from trace_jax.rl.checkpoint import Checkpointer  # noqa: E402
 from trace_jax.rl.episodes import greedy_accuracy  # noqa: E402
@@ -107,7 +107,7 @@ def provenance() -> dict:
           "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "python": platform.python_version(), "packages": versions,
           "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-          "cpu_count": os.cpu_count()}
+          "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def previous_results(out: str) -> tuple[dict, dict]:
@@ -350,6 +350,8 @@ def main(argv=None):
           c = run_config(family, mode, seed, args.smoke, args.scale)
           validate(c)
           check_sandbox(c)
+          # each run as trace_jax.main runs it: before this process asks JAX for a device
+          determinism.enable(c.deterministic)
 
   if args.figures_only:
     try:

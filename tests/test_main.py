@@ -211,3 +211,13 @@ def test_a_run_resumes_with_its_data_elsewhere():
   _check_same_config(saved, {"data_dir": "/b", "rl": {"lr": 1.0}}, "w")
   with pytest.raises(ValueError, match=r"keys \['rl.lr'\]"):
     _check_same_config(saved, {"data_dir": "/b", "rl": {"lr": 2.0}}, "w")
+
+
+def test_a_run_resumes_with_deterministic_ops_switched():
+  """`deterministic` says how XLA schedules GPU ops, not what the run computes: a run resumes
+  with it switched, and from checkpoints written before the key existed."""
+  _check_same_config({"deterministic": True, "seed": 0}, {"deterministic": False, "seed": 0}, "w")
+  _check_same_config({"seed": 0}, {"deterministic": True, "seed": 0}, "w")
+  with pytest.raises(ValueError, match=r"keys \['seed'\]"):
+    _check_same_config({"deterministic": True, "seed": 0}, {"deterministic": True, "seed": 1},
+                       "w")

@@ -18,7 +18,7 @@ import sys
 
 from absl import flags, logging
 
-from trace_jax import cli, distributed
+from trace_jax import cli, determinism, distributed
 from trace_jax.rl.checkpoint import CannotResume
 from trace_jax.rl.loop import Interrupted, train
 from trace_jax.rl.validate import check_sandbox, check_workdir, validate
@@ -35,7 +35,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   c = _CONFIG.value
   with cli.bad_input():
-    distributed.initialize(c.dist)  # before anything asks JAX for its devices
+    determinism.enable(c.deterministic)  # both before anything asks JAX for its devices
+    distributed.initialize(c.dist)
   with distributed.exit_at_once_on_failure():
     with cli.bad_input(ValueError, BoundaryUnavailable):
       validate(c)

@@ -15,6 +15,10 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.data_dir = ""  # where TFDS datasets are prepared ("" = the TFDS default)
+  # GPU runs that repeat themselves bit for bit (XLA's deterministic ops, trace_jax.determinism:
+  # no atomic adds in scatters, the same autotuned kernels); false: XLA's defaults, with which
+  # two runs of one config part after a few steps. CPUs compute the same either way
+  c.deterministic = True
 
   c.task = ml_collections.ConfigDict()
   c.task.family = "reasoning"  # reasoning | coding | long_horizon

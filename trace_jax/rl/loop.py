@@ -28,6 +28,7 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
+from trace_jax import determinism
 from trace_jax import distributed as D
 from trace_jax import sharding as S
 from trace_jax.configs import MOVED
@@ -304,6 +305,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   """Runs (or resumes) the whole run; returns the summary it prints (process 0; the others of
   several print nothing and return {})."""
   validate(c)
+  determinism.enable(c.deterministic)  # (raises where JAX has started on a GPU without it)
   primary = D.is_primary()
   log = log if primary else (lambda *_: None)
   os.makedirs(workdir, exist_ok=True)
@@ -385,10 +387,11 @@ def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
       out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
   a, b = flat(saved), flat(now)
-  # data_dir says where the prepared data lives and dist how the run is launched (a run
-  # resumes on another number of processes), not what the run does
-  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k != "data_dir"
-                and not k.startswith("dist."))
+  # data_dir says where the prepared data lives, dist how the run is launched (a run resumes
+  # on another number of processes) and deterministic how XLA schedules its GPU ops, not what
+  # the run does
+  diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
+                and k not in ("data_dir", "deterministic") and not k.startswith("dist."))
   if diff:
     raise checkpoint.CannotResume(f"{workdir} holds a run with a different config (keys "
                                   f"{diff}); resume with the same config or use a new --workdir")
