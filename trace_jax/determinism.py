@@ -2,9 +2,10 @@
 
 On a GPU, XLA's scatters (the gradients of gathers: embeddings, the MoE dispatch) add with
 atomics in whatever order the threads arrive, and its autotuner may pick a different kernel in
-another process; two runs of one config then part after a few steps, and their warm starts
-differ as much as the modes an ablation compares. `--xla_gpu_deterministic_ops=true` makes
-every op repeat bit for bit on the same GPU and software. XLA reads XLA_FLAGS once, when JAX
+another process, so two runs of one config need not compute the same: the GPU ablation's runs
+of one seed started RL from warm starts as far apart as the modes it compares (RESULTS.md).
+`--xla_gpu_deterministic_ops=true` asks XLA for ops that repeat bit for bit on the same GPU and
+software (`tests/test_determinism.py` checks two runs on a GPU). XLA reads XLA_FLAGS once, when JAX
 starts its backends, so `enable` runs before anything asks JAX for a device. CPUs compute the
 same either way.
 """

@@ -76,8 +76,9 @@ def _split(y, sizes) -> list:
 
 
 def _side_by_side(ws: list):
-  """Packed [K, N_i] weights as one [K, sum N_i] whose columns are theirs, or None where their
-  packing is not column by column (NVFP4's per-matrix global) or they differ in kind."""
+  """Packed [..., K, N_i] weights (projections, or expert stacks) as one [..., K, sum N_i]
+  whose columns are theirs, or None where their packing is not column by column (NVFP4's
+  per-matrix global) or they differ in kind."""
   if all(isinstance(w, jax.Array) for w in ws) and len({w.dtype for w in ws}) == 1:
     return jnp.concatenate(ws, axis=-1)
   if not all(isinstance(w, QArray) for w in ws):

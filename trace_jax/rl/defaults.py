@@ -17,7 +17,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data_dir = ""  # where TFDS datasets are prepared ("" = the TFDS default)
   # GPU runs that repeat themselves bit for bit (XLA's deterministic ops, trace_jax.determinism:
   # no atomic adds in scatters, the same autotuned kernels); false: XLA's defaults, with which
-  # two runs of one config part after a few steps. CPUs compute the same either way
+  # two runs of one config need not compute the same. CPUs compute the same either way
   c.deterministic = True
 
   c.task = ml_collections.ConfigDict()
