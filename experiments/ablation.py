@@ -4,6 +4,7 @@
         [--families=reasoning,coding,long_horizon] [--modes=bf16,fp4_rollout,fp4_qat,trace,trace_all]
     python experiments/ablation.py --figures_only   # redraw figures and table, no training
     python experiments/ablation.py --scale=gpu --families=reasoning,long_horizon   # one H200
+    python experiments/ablation.py --merge=DIR[,DIR]   # add the runs other machines recorded
 
 For every family, mode and seed: one RL run, `configs/ablation.py:family=F,mode=M,seed=S` in
 <out>/F/M/seedS (the same as `python -m trace_jax.main` with that config and workdir).
@@ -31,6 +32,11 @@ Writes <out>/summary.json (the table's numbers, each run's config and command, t
 package versions), <out>/curves.json (experiments/curves.py: the per-run curves, small enough
 to commit) and the figures (experiments/figures/*.png), drawn from those two files alone;
 RESULTS.md quotes them.
+
+`--merge=DIR` adds the runs recorded in another results directory (its summary.json and
+curves.json, e.g. brought back from a GPU machine that started from an older copy of <out>) to
+<out>'s, then redraws: a run <out> does not hold is added, one both hold alike is left, and one
+they hold with different numbers stops the merge, naming it (remove one of them to choose).
 """
 
 from __future__ import annotations
@@ -312,6 +318,10 @@ def main(argv=None):
   parser.add_argument("--figures_only", action="store_true",
                       help="only redraw the figures and the table from <out>/summary.json and "
                            "<out>/curves.json")
+  parser.add_argument("--merge", default="",
+                      help="comma separated results directories whose recorded runs are added "
+                           "to <out>'s (e.g. brought back from another machine); then the "
+                           "figures and table are redrawn, nothing is trained")
   parser.add_argument("--data_dir", default="", help="where TFDS datasets are prepared")
   parser.add_argument("--compile_cache", default=None,
                       help="JAX's persistent compilation cache, shared by the runs (a seed's "
@@ -324,6 +334,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.jobs < 1:
     parser.error(f"--jobs={args.jobs}: at least 1")
+  if args.merge and args.figures_only:
+    parser.error("--merge redraws the figures itself: leave out --figures_only")
   sub = "" if args.scale == "cpu" else args.scale
   args.out = args.out or os.path.join("experiments", "results", sub)
   args.figures = args.figures or os.path.join("experiments", "figures", sub)
@@ -344,7 +356,15 @@ def main(argv=None):
         summary, runs = previous_results(args.out)
       except curves.ResultsError as e:
         raise ValueError(f"--out: {e}; move the results aside to start afresh") from None
-    for family in [] if args.figures_only else families:
+    for other in [d for d in args.merge.split(",") if d]:  # before anything is written
+      if os.path.abspath(other) == os.path.abspath(args.out):
+        raise ValueError(f"--merge={other} is --out itself")
+      try:
+        added = merge(summary, runs, other)
+      except curves.ResultsError as e:
+        raise ValueError(f"--merge: {e}") from None
+      print(f"from {other}: {', '.join(added) or 'nothing new'}", flush=True)
+    for family in [] if args.figures_only or args.merge else families:
       for mode in modes:
         for seed in seeds:
           c = run_config(family, mode, seed, args.smoke, args.scale)
@@ -353,6 +373,9 @@ def main(argv=None):
           # each run as trace_jax.main runs it: before this process asks JAX for a device
           determinism.enable(c.deterministic)
 
+  if args.merge:
+    curves.write(args.out, summary, runs)
+    return _report(figures.load(args.out), args)
   if args.figures_only:
     try:
       data = figures.load(args.out, families)
@@ -450,6 +473,42 @@ def _to_train(summary: dict, families, modes, seeds, args) -> list[tuple[str, li
                      train_command(family, mode, seed, workdir, args.smoke, args.scale,
                                    args.data_dir), workdir))
   return runs
+
+
+def merge(summary: dict, runs: dict, other: str) -> list[str]:
+  """Adds to (summary, curves' runs) the runs recorded in results directory `other` that they
+  lack, with their curves, each family's probe where it has none, and the headline numbers
+  of the modes that gained a seed -> the runs added ("family/mode/seedS"). A run recorded in
+  both with different results raises ValueError naming it."""
+  theirs, their_runs = previous_results(other)
+  if not theirs:
+    raise ValueError(f"--merge: {other} holds no {curves.SUMMARY} and {curves.CURVES}")
+  summary.setdefault("provenance", theirs["provenance"])
+  added = []
+  for family in [k for k, v in theirs.items() if isinstance(v, dict) and "runs" in v]:
+    fam = summary.setdefault(family, {"runs": {}, "final_eval_accuracy": {}})
+    mine = runs.setdefault(family, {})
+    fresh = {}
+    for key, run in theirs[family]["runs"].items():
+      if key in fam["runs"]:
+        if _numbers(fam["runs"][key]) != _numbers(run):
+          raise ValueError(f"--merge: {family}/{key} is recorded in {other} with other results "
+                           "than here; remove one of them to choose")
+        continue
+      fam["runs"][key], mine[key] = run, their_runs[family][key]
+      mode, seed = key.split("/seed")
+      fresh.setdefault(mode, set()).add(int(seed))
+      added.append(f"{family}/{key}")
+    if "probe" in theirs[family]:
+      fam.setdefault("probe", theirs[family]["probe"])
+    for mode, seeds in fresh.items():
+      _headline(fam, mode, seeds)
+  return added
+
+
+def _numbers(run: dict) -> dict:
+  """What a recorded run measured (not where or by which commit it ran)."""
+  return {k: v for k, v in run.items() if k not in ("git_commit", "command", "config")}
 
 
 def _headline(fam: dict, mode: str, fresh: set) -> int:

@@ -425,3 +425,46 @@ def test_the_post_hoc_row_s_command_names_the_scale_its_bf16_run_was_trained_at(
     row = ablation.markdown_table(summary, ["reasoning"]).splitlines()[-1]
     assert row.endswith(f"| `experiments/ablation.py{flag} --families=reasoning --modes=bf16 "
                         f"--seeds=0` |"), row
+
+
+def test_merge_adds_the_runs_another_machine_recorded(tmp_path, capsys):
+  """--merge: a results directory brought back from another machine, which started from an
+  older copy of <out>, adds the runs <out> lacks (curves, headline numbers, probe) and redraws;
+  a run both hold alike stays; one they hold with other numbers stops it, named, before
+  anything is written."""
+  here, there = tmp_path / "here", tmp_path / "there"
+  fake_results(str(there), families=("reasoning",), modes=("bf16", "trace"))
+  both = json.loads((there / "summary.json").read_text())
+  theirs = curves.load(str(there))
+  # <out> holds bf16 alone (the older copy the other machine started from)
+  here.mkdir()
+  mine = {"provenance": both["provenance"], "reasoning": {
+      "runs": {"bf16/seed0": both["reasoning"]["runs"]["bf16/seed0"]},
+      "final_eval_accuracy": {k: v for k, v in both["reasoning"]["final_eval_accuracy"].items()
+                              if k.startswith("bf16")}}}
+  curves.write(str(here), mine, {"reasoning": {
+      "bf16/seed0": theirs.curves["runs"]["reasoning"]["bf16/seed0"]}})
+  figs = tmp_path / "figs"
+  ablation.main([f"--out={here}", f"--figures={figs}", f"--merge={there}"])
+  assert "from " + str(there) + ": reasoning/trace/seed0" in capsys.readouterr().out
+  merged = curves.load(str(here))
+  assert set(merged.summary["reasoning"]["runs"]) == {"bf16/seed0", "trace/seed0"}
+  assert merged.summary["reasoning"]["final_eval_accuracy"]["trace"] == (
+      both["reasoning"]["runs"]["trace/seed0"]["eval_accuracy_after"])
+  assert merged.curves["runs"]["reasoning"]["trace/seed0"] == (
+      theirs.curves["runs"]["reasoning"]["trace/seed0"])
+  assert merged.summary["reasoning"]["probe"] == both["reasoning"]["probe"]
+  assert (figs / "reward_vs_step.png").exists()
+  ablation.main([f"--out={here}", f"--figures={figs}", f"--merge={there}"])  # again: alike
+  assert "nothing new" in capsys.readouterr().out
+  changed = json.loads((there / "summary.json").read_text())
+  changed["reasoning"]["runs"]["trace/seed0"]["eval_accuracy_after"] += 0.1
+  (there / "summary.json").write_text(json.dumps(changed))
+  before = (here / "summary.json").read_text()
+  with pytest.raises(SystemExit) as e:
+    ablation.main([f"--out={here}", f"--figures={figs}", f"--merge={there}"])
+  assert e.value.code == 2 and "reasoning/trace/seed0 is recorded in" in capsys.readouterr().err
+  assert (here / "summary.json").read_text() == before
+  with pytest.raises(SystemExit):
+    ablation.main([f"--out={here}", f"--merge={here}"])
+  assert "is --out itself" in capsys.readouterr().err
