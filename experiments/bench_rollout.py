@@ -60,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.timing import copy_bandwidth, kernel_times, wall_seconds  # noqa: E402
 from trace_jax.models import QuantRecipe, init_params, pack_weights  # noqa: E402
 from trace_jax.models.config import preset as model_preset  # noqa: E402
+from trace_jax.models.recipe import WEIGHT_AXES  # noqa: E402
 from pallas_kernels.dispatch import ATTENTION_KERNELS, FP4_ORDER, make_ops  # noqa: E402
 from trace_jax.models.rollout_path import lay_out, new_kv_cache  # noqa: E402
 from trace_jax.quant import QArray  # noqa: E402
@@ -221,10 +222,14 @@ def step_bytes(cfg, weights, cache, batch: int, filled: float = 1.0) -> dict:
   """Bytes one decode step must read: attention weights, the experts the batch can hit, the
   LM head (the embedding reads B rows: neglected), the filled fraction of the KV cache."""
   attn = expert = 0
-  for layer in weights.layers:  # (packed apart, or as one weight: "wq+wk+wv", `Fused`)
-    attn += _nbytes([layer[n] for n in ("wq", "wk", "wv", "wo", "wq+wk+wv") if n in layer])
-    expert += _nbytes([layer[n] for n in ("w_gate", "w_up", "w_down", "w_gate+w_up")
-                       if n in layer])
+  for layer in weights.layers:  # projections packed apart or as one (`Fused`, "wq+wk+wv")
+    for name, w in layer.items():
+      parts = name.split("+")
+      if all(p in WEIGHT_AXES for p in parts):
+        if parts[0] in ("w_gate", "w_up", "w_down"):
+          expert += _nbytes(w)
+        else:
+          attn += _nbytes(w)
   hit = 1 - (1 - cfg.top_k / cfg.n_experts) ** batch
   head = _nbytes(weights.lm_head if weights.lm_head is not None else weights.embed)
   out = {"attention_weights": attn, "experts": int(expert * hit), "lm_head": head,
