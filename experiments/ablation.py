@@ -8,6 +8,11 @@
 
 For every family, mode and seed: one RL run, `configs/ablation.py:family=F,mode=M,seed=S` in
 <out>/F/M/seedS (the same as `python -m trace_jax.main` with that config and workdir).
+`--warm_start=shared` (the default at --scale=gpu) trains each family and seed's supervised
+warm start once, first (`...:family=F,mode=bf16,seed=S,rl.steps=0` in <out>/F/warm_start/seedS),
+and every mode's run of that seed starts RL from it (`sft.init_from`): from one policy, where a
+GPU's sums need not repeat from run to run; `own`: every run makes its own (the CPU default,
+how the CPU results were made: there the modes' warm starts agree to float32 rounding).
 Rerunning the command resumes unfinished runs and skips finished ones; results accumulate in
 <out>: a run recorded in <out>/summary.json whose directory is gone (a fresh clone holds the
 two files alone) is kept, not rerun, and families and seeds this invocation does not name stay
@@ -78,17 +83,35 @@ PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "numpy", "ml_dtypes", "optax",
             "grain", "matplotlib")
 
 
-def config_arg(family: str, mode: str, seed: int, smoke: bool = False, scale: str = "cpu"
-               ) -> str:
+# where each scale's runs take their warm start (--warm_start): shared, one warm start per family
+# and seed that every mode's run starts RL from (sft.init_from), so that the modes of a seed
+# start RL from one policy even where the device's sums are not repeatable; own, every run its
+# own (the CPU results were made so: there the modes' warm starts agree to float32 rounding)
+WARM_START = {"cpu": "own", "gpu": "shared"}
+WARM = "warm_start"  # the run directory of a family's shared warm starts: <out>/<family>/WARM
+
+
+def config_arg(family: str, mode: str, seed: int, smoke: bool = False, scale: str = "cpu",
+               init_from: str = "") -> str:
+  """configs/ablation.py's argument for a run; `init_from`: its warm start's run directory."""
   return (f"family={family},mode={mode},seed={seed}" + ("" if scale == "cpu" else f",scale={scale}")
-          + (",smoke" if smoke else ""))
+          + (",smoke" if smoke else "") + (f",sft.init_from={init_from}" if init_from else ""))
 
 
-def run_config(family: str, mode: str, seed: int, smoke: bool = False, scale: str = "cpu"
-               ) -> ml_collections.ConfigDict:
+def warm_arg(family: str, seed: int, smoke: bool = False, scale: str = "cpu") -> str:
+  """configs/ablation.py's argument for a family's shared warm start: the warm start alone."""
+  return config_arg(family, "bf16", seed, smoke, scale) + ",rl.steps=0"
+
+
+def warm_dir(out: str, family: str, seed: int) -> str:
+  return os.path.join(out, family, WARM, f"seed{seed}")
+
+
+def run_config(family: str, mode: str, seed: int, smoke: bool = False, scale: str = "cpu",
+               init_from: str = "") -> ml_collections.ConfigDict:
   """The run's config: configs/ablation.py, the one source of the ablation's settings."""
   return importlib.import_module("configs.ablation").get_config(
-      config_arg(family, mode, seed, smoke, scale))
+      config_arg(family, mode, seed, smoke, scale, init_from))
 
 
 def provenance() -> dict:
@@ -164,15 +187,23 @@ def probe(workdir: str) -> list[dict]:
   return mismatch.probe_precision(run.cfg, state["params"], "mxfp4", prompts, pc)
 
 
+def _main_command(arg: str, workdir: str, data_dir: str = "") -> str:
+  return (f"python -m trace_jax.main --config=configs/ablation.py:{arg} --workdir={workdir}"
+          + (f" --config.data_dir={data_dir}" if data_dir else ""))
+
+
 def run_results(family: str, mode: str, seed: int, workdir: str, c, smoke: bool = False,
-                scale: str = "cpu") -> tuple[dict, dict]:
-  """A finished run's summary (with its config and the command that reproduces it) and its
-  curves, both from its metrics.jsonl."""
-  arg = config_arg(family, mode, seed, smoke, scale)
-  command = (f"python -m trace_jax.main --config=configs/ablation.py:{arg} --workdir={workdir}"
-             + (f" --config.data_dir={c.data_dir}" if c.data_dir else ""))
-  summary = {**summarize(workdir, c), "config_arg": arg, "command": command,
+                scale: str = "cpu", init_from: str = "") -> tuple[dict, dict]:
+  """A finished run's summary (with its config and the command that reproduces it, after the
+  one that trains its warm start where it took another run's: `init_from`) and its curves,
+  both from its metrics.jsonl."""
+  arg = config_arg(family, mode, seed, smoke, scale, init_from)
+  summary = {**summarize(workdir, c), "config_arg": arg,
+             "command": _main_command(arg, workdir, c.data_dir),
              "config": json.loads(c.to_json())}
+  if init_from:
+    summary["warm_start_command"] = _main_command(warm_arg(family, seed, smoke, scale),
+                                                  init_from, c.data_dir)
   return summary, curves.run_curves(read_metrics(workdir))
 
 
@@ -213,9 +244,11 @@ def use_compile_cache(path: str) -> None:
 
 
 def train_command(family: str, mode: str, seed: int, workdir: str, smoke: bool = False,
-                  scale: str = "cpu", data_dir: str = "") -> list[str]:
-  """The command that trains one run in a process of its own (what `run_results` records)."""
-  arg = config_arg(family, mode, seed, smoke, scale)
+                  scale: str = "cpu", data_dir: str = "", init_from: str = "", *,
+                  arg: str | None = None) -> list[str]:
+  """The command that trains one run in a process of its own (what `run_results` records);
+  `arg`: configs/ablation.py's argument, in place of the run's (e.g. `warm_arg`)."""
+  arg = arg or config_arg(family, mode, seed, smoke, scale, init_from)
   return ([sys.executable, "-m", "trace_jax.main",
            f"--config={os.path.join(ROOT, 'configs', 'ablation.py')}:{arg}",
            f"--workdir={workdir}", "--noprogress"]
@@ -315,6 +348,11 @@ def main(argv=None):
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--seeds", default="0")
   parser.add_argument("--smoke", action="store_true", help="a few steps per run (a check)")
+  parser.add_argument("--warm_start", default=None, choices=("shared", "own"),
+                      help="shared: one warm start per family and seed (<out>/<family>/"
+                           f"{WARM}/seed<S>, trained first), every mode's run starting RL from "
+                           "it; own: each run its own. Default: " + ", ".join(
+                               f"{v} at --scale={k}" for k, v in WARM_START.items()))
   parser.add_argument("--figures_only", action="store_true",
                       help="only redraw the figures and the table from <out>/summary.json and "
                            "<out>/curves.json")
@@ -336,6 +374,7 @@ def main(argv=None):
     parser.error(f"--jobs={args.jobs}: at least 1")
   if args.merge and args.figures_only:
     parser.error("--merge redraws the figures itself: leave out --figures_only")
+  args.warm_start = args.warm_start or WARM_START[args.scale]
   sub = "" if args.scale == "cpu" else args.scale
   args.out = args.out or os.path.join("experiments", "results", sub)
   args.figures = args.figures or os.path.join("experiments", "figures", sub)
@@ -368,8 +407,10 @@ def main(argv=None):
       for mode in modes:
         for seed in seeds:
           c = run_config(family, mode, seed, args.smoke, args.scale)
-          validate(c)
+          validate(c)  # (sft.init_from, where shared, is checked once its warm start is made)
           check_sandbox(c)
+          if args.warm_start == "shared":
+            validate(_config(warm_arg(family, seed, args.smoke, args.scale)))
           # each run as trace_jax.main runs it: before this process asks JAX for a device
           determinism.enable(c.deterministic)
 
@@ -392,10 +433,14 @@ def main(argv=None):
   summary["provenance"] = provenance()
   failed, stopped = [], None
   if args.jobs > 1:
-    try:
-      failed = train_in_processes(
-          _to_train(summary, families, modes, seeds, args), args.jobs,
-          None if cache == "none" else os.path.abspath(cache))
+    cache_dir = None if cache == "none" else os.path.abspath(cache)
+    to_train = _to_train(summary, families, modes, seeds, args)
+    try:  # the shared warm starts first: the runs start from them
+      warm = _warm_starts(to_train, args)
+      failed = train_in_processes(warm, args.jobs, cache_dir) if warm else []
+      failed += [name for name, _, _ in to_train if _warm_name(name) in failed]
+      failed += train_in_processes([r for r in to_train if r[0] not in failed], args.jobs,
+                                   cache_dir)
     except Interrupted as e:  # each run checkpointed where it stopped; those that had
       stopped = e.signum      # finished are recorded below, before the exit
   for family in families:
@@ -404,7 +449,8 @@ def main(argv=None):
     for mode in modes:
       fresh = set()  # seeds whose results this invocation read from their run directory
       for seed in seeds:
-        c = run_config(family, mode, seed, args.smoke, args.scale)
+        init_from = _init_from(args, family, seed)
+        c = run_config(family, mode, seed, args.smoke, args.scale, init_from)
         c.data_dir = args.data_dir
         workdir = os.path.join(args.out, family, mode, f"seed{seed}")
         key = f"{mode}/seed{seed}"
@@ -418,10 +464,12 @@ def main(argv=None):
             continue
           if stopped is not None:  # trains no more after a stop
             continue
+          if init_from:
+            _train_warm_start(family, seed, args)
           print(f"== {family} / {mode} / seed {seed} -> {workdir}", flush=True)
           train(c, workdir, progress=False)
         fam["runs"][key], fam_runs[key] = run_results(family, mode, seed, workdir, c,
-                                                      args.smoke, args.scale)
+                                                      args.smoke, args.scale, init_from)
         fam["runs"][key]["git_commit"] = summary["provenance"]["git_commit"]
         if mode == "bf16":  # post-hoc FP4: the bf16-trained policy on the MXFP4 engine
           fam["runs"][key]["posthoc_fp4_accuracy"] = fp4_eval(workdir)
@@ -450,10 +498,53 @@ def main(argv=None):
              f"command resumes them)")
 
 
+def _config(arg: str) -> ml_collections.ConfigDict:
+  return importlib.import_module("configs.ablation").get_config(arg)
+
+
+def _init_from(args, family: str, seed: int) -> str:
+  """The warm start this invocation's runs of a family and seed take (--warm_start=shared: the
+  shared one's run directory), or "" (their own)."""
+  return warm_dir(args.out, family, seed) if args.warm_start == "shared" else ""
+
+
+def _warm_name(name: str) -> str:
+  """"family/mode/seedS" -> the name of that family and seed's shared warm start."""
+  family, _, seed = name.split("/")
+  return f"{family}/{WARM}/{seed}"
+
+
+def _train_warm_start(family: str, seed: int, args) -> None:
+  """A family and seed's shared warm start, trained in this process unless it is there."""
+  c = _config(warm_arg(family, seed, args.smoke, args.scale))
+  c.data_dir = args.data_dir
+  workdir = warm_dir(args.out, family, seed)
+  if not finished(workdir, c):
+    print(f"== {family} / {WARM} / seed {seed} -> {workdir}", flush=True)
+    train(c, workdir, progress=False)
+
+
+def _warm_starts(to_train, args) -> list[tuple[str, list[str], str]]:
+  """The shared warm starts the runs `to_train` (as `_to_train` lists them) take that are not
+  trained yet, as `train_in_processes` takes them."""
+  out = []
+  for name, _, _ in to_train if args.warm_start == "shared" else []:
+    family, _, seed = name.split("/")
+    seed = int(seed.removeprefix("seed"))
+    workdir, arg = warm_dir(args.out, family, seed), warm_arg(family, seed, args.smoke,
+                                                              args.scale)
+    if _warm_name(name) in [n for n, _, _ in out] or finished(workdir, _config(arg)):
+      continue
+    out.append((_warm_name(name), train_command(family, "bf16", seed, workdir,
+                                                data_dir=args.data_dir, arg=arg), workdir))
+  return out
+
+
 def _recorded(summary: dict, family: str, mode: str, seed: int, args) -> bool:
   """Whether the results hold this run, of this invocation's config."""
   run = summary.get(family, {}).get("runs", {}).get(f"{mode}/seed{seed}", {})
-  return run.get("config_arg") == config_arg(family, mode, seed, args.smoke, args.scale)
+  return run.get("config_arg") == config_arg(family, mode, seed, args.smoke, args.scale,
+                                             _init_from(args, family, seed))
 
 
 def _to_train(summary: dict, families, modes, seeds, args) -> list[tuple[str, list[str], str]]:
@@ -464,14 +555,15 @@ def _to_train(summary: dict, families, modes, seeds, args) -> list[tuple[str, li
   for seed in seeds:
     for family in families:
       for mode in modes:
-        c = run_config(family, mode, seed, args.smoke, args.scale)
+        init_from = _init_from(args, family, seed)
+        c = run_config(family, mode, seed, args.smoke, args.scale, init_from)
         workdir = os.path.join(args.out, family, mode, f"seed{seed}")
         kept = _recorded(summary, family, mode, seed, args) and not os.path.exists(workdir)
         if kept or finished(workdir, c):
           continue
         runs.append((f"{family}/{mode}/seed{seed}",
                      train_command(family, mode, seed, workdir, args.smoke, args.scale,
-                                   args.data_dir), workdir))
+                                   args.data_dir, init_from), workdir))
   return runs
 
 
@@ -508,7 +600,8 @@ def merge(summary: dict, runs: dict, other: str) -> list[str]:
 
 def _numbers(run: dict) -> dict:
   """What a recorded run measured (not where or by which commit it ran)."""
-  return {k: v for k, v in run.items() if k not in ("git_commit", "command", "config")}
+  return {k: v for k, v in run.items()
+          if k not in ("git_commit", "command", "warm_start_command", "config")}
 
 
 def _headline(fam: dict, mode: str, fresh: set) -> int:

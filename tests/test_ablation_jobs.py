@@ -123,7 +123,7 @@ def test_a_stopped_jobs_invocation_records_the_runs_that_finished(tmp_path, monk
     trained.append(done)
     raise ablation.Interrupted(signal.SIGTERM)
 
-  def results(family, mode, seed, workdir, c, smoke=False, scale="cpu"):
+  def results(family, mode, seed, workdir, c, smoke=False, scale="cpu", init_from=""):
     assert workdir == done, f"read the results of {workdir}, which did not finish"
     return {"eval_accuracy_after": 0.25, "config_arg": ablation.config_arg(
         family, mode, seed, smoke, scale)}, {"step": [1]}
@@ -145,3 +145,84 @@ def test_a_stopped_jobs_invocation_records_the_runs_that_finished(tmp_path, monk
   assert set(summary["reasoning"]["runs"]) == {"bf16/seed0"}
   assert summary["reasoning"]["runs"]["bf16/seed0"]["posthoc_fp4_accuracy"] == 0.125
   assert "rerunning the same command resumes" in capsys.readouterr().err
+
+
+def _fake_results(monkeypatch, trained):
+  """The ablation with its runs' results faked: a run is finished once `trained` holds it."""
+  def results(family, mode, seed, workdir, c, smoke=False, scale="cpu", init_from=""):
+    assert c.sft.init_from == init_from
+    return {"eval_accuracy_after": 0.25, "config_arg": ablation.config_arg(
+        family, mode, seed, smoke, scale, init_from)}, {"step": [1]}
+
+  monkeypatch.setattr(ablation, "finished", lambda workdir, c: workdir in trained)
+  monkeypatch.setattr(ablation, "run_results", results)
+  monkeypatch.setattr(ablation, "fp4_eval", lambda workdir: 0.125)
+  monkeypatch.setattr(ablation, "_report", lambda data, args: None)
+
+
+def _main(tmp_path, *extra):
+  ablation.main(["--smoke", f"--out={tmp_path / 'results'}", f"--figures={tmp_path / 'f'}",
+                 "--families=reasoning", "--modes=bf16,trace", "--seeds=0,1",
+                 "--warm_start=shared", "--compile_cache=none",
+                 f"--data_dir={tmp_path / 'tfds'}", *extra])
+
+
+def test_jobs_train_the_shared_warm_starts_first_and_the_runs_start_rl_from_their_seeds(
+    tmp_path, monkeypatch):
+  """--warm_start=shared --jobs=2: each seed's warm start (the bf16 config with rl.steps=0, in
+  <out>/<family>/warm_start/seed<S>) is trained before any run, in processes; every run's
+  command takes its seed's as sft.init_from; a warm start that fails fails its seed's runs
+  (named at the end), not the other seed's."""
+  out, trained, calls = tmp_path / "results", set(), []
+
+  def pool(runs, jobs, cache=None):
+    calls.append(runs)
+    for _, _, workdir in runs:
+      os.makedirs(workdir)
+      if not workdir.endswith(os.path.join("warm_start", "seed1")):
+        trained.add(workdir)
+    return [name for name, _, workdir in runs if workdir not in trained]
+
+  _fake_results(monkeypatch, trained)
+  monkeypatch.setattr(ablation, "train_in_processes", pool)
+  monkeypatch.setattr(ablation, "train", lambda *_, **__: pytest.fail("trained in-process"))
+  with pytest.raises(SystemExit) as failed:
+    _main(tmp_path, "--jobs=2")
+  assert failed.value.code == ("failed: reasoning/warm_start/seed1, reasoning/bf16/seed1, "
+                               "reasoning/trace/seed1 (each run's train.log says why; "
+                               "rerunning the same command resumes them)")
+  assert [[name for name, _, _ in runs] for runs in calls] == [
+      ["reasoning/warm_start/seed0", "reasoning/warm_start/seed1"],
+      ["reasoning/bf16/seed0", "reasoning/trace/seed0"]]
+  warm0 = str(out / "reasoning" / "warm_start" / "seed0")
+  (_, command, workdir), _ = calls[0]
+  assert workdir == warm0
+  assert command[3].endswith(":family=reasoning,mode=bf16,seed=0,smoke,rl.steps=0")
+  for _, command, _ in calls[1]:
+    assert command[3].endswith(f",seed=0,smoke,sft.init_from={warm0}")
+  runs = json.load(open(out / "summary.json"))["reasoning"]["runs"]
+  assert sorted(runs) == ["bf16/seed0", "trace/seed0"]
+  assert runs["trace/seed0"]["config_arg"].endswith(f"sft.init_from={warm0}")
+
+
+def test_one_process_trains_each_shared_warm_start_once_before_its_seeds_first_run(
+    tmp_path, monkeypatch):
+  out, trained, order = tmp_path / "results", set(), []
+
+  def train(c, workdir, progress=True):
+    order.append((os.path.relpath(workdir, out), c.rl.steps, c.sft.init_from))
+    os.makedirs(workdir)
+    trained.add(workdir)
+
+  _fake_results(monkeypatch, trained)
+  monkeypatch.setattr(ablation, "train", train)
+  _main(tmp_path)
+  warm = lambda s: str(out / "reasoning" / "warm_start" / f"seed{s}")
+  steps = ablation.run_config("reasoning", "bf16", 0, smoke=True).rl.steps
+  assert order == [
+      (os.path.join("reasoning", "warm_start", "seed0"), 0, ""),
+      (os.path.join("reasoning", "bf16", "seed0"), steps, warm(0)),
+      (os.path.join("reasoning", "warm_start", "seed1"), 0, ""),
+      (os.path.join("reasoning", "bf16", "seed1"), steps, warm(1)),
+      (os.path.join("reasoning", "trace", "seed0"), steps, warm(0)),
+      (os.path.join("reasoning", "trace", "seed1"), steps, warm(1))]

@@ -56,18 +56,31 @@ def test_ablation_smoke_writes_summary_figures_and_the_notebook_runs(tmp_path, m
 
 def test_ablation_jobs_trains_in_processes_what_it_would_train_in_its_own(tmp_path):
   """--jobs=2: each run trained by `python -m trace_jax.main` in a process of its own writes the
-  metrics the same run writes trained in the ablation's process (no timing keys)."""
+  metrics the same run writes trained in the ablation's process (no timing keys). With a
+  shared warm start the modes' warm-start rows are its rows (their evaluations aside), and
+  each run records the command that trains it."""
   tfds = f"--data_dir={tmp_path / 'tfds'}"
   for jobs, out in ((2, "jobs"), (1, "alone")):
     ablation.main(["--smoke", f"--out={tmp_path / out}", f"--figures={tmp_path / out / 'f'}",
                    "--families=reasoning", "--modes=bf16,trace", f"--jobs={jobs}", tfds,
-                   "--compile_cache=none"])
+                   "--compile_cache=none", "--warm_start=shared"])
   assert os.path.exists(tmp_path / "jobs" / "reasoning" / "trace" / "seed0" / "train.log")
-  for mode in ("bf16", "trace"):
+  rows = {}
+  for mode in ("bf16", "trace", "warm_start"):
     records = [[{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)}
                 for line in open(tmp_path / out / "reasoning" / mode / "seed0" / "metrics.jsonl")]
                for out in ("jobs", "alone")]
     assert records[0] == records[1]
+    rows[mode] = [{k: v for k, v in r.items() if not k.startswith("eval/")}
+                  for r in records[0] if r["phase"] == "sft"]
+  assert rows["bf16"] == rows["trace"] == rows["warm_start"] and rows["bf16"]
+  run = json.load(open(tmp_path / "alone" / "summary.json"))["reasoning"]["runs"]["trace/seed0"]
+  warm = tmp_path / "alone" / "reasoning" / "warm_start" / "seed0"
+  assert run["warm_start_command"] == (
+      "python -m trace_jax.main --config=configs/ablation.py:family=reasoning,mode=bf16,seed=0,"
+      f"smoke,rl.steps=0 --workdir={warm} --config.data_dir={tmp_path / 'tfds'}")
+  assert run["command"].startswith("python -m trace_jax.main --config=configs/ablation.py:"
+                                   f"family=reasoning,mode=trace,seed=0,smoke,sft.init_from={warm} ")
 
 
 def test_bench_rollout_runs_its_variants():

@@ -170,7 +170,12 @@ def test_bad_config_fails_before_any_work(data_dir, tmp_path):
                             ("rl.trace_layers=last:7", r"rl.trace_layers='last:7'"),
                             ("rl.group_size=1", "rl.group_size must be >= 2"),
                             ("rl.minibatches=3", "does not split into rl.minibatches=3"),
-                            ("mesh.data=9", r"mesh.data=9 x mesh.expert=1 needs more than")]:
+                            ("mesh.data=9", r"mesh.data=9 x mesh.expert=1 needs more than"),
+                            (f"sft.init_from={tmp_path / 'none'}",
+                             r"sft.init_from='.*none': .*none/checkpoints holds no checkpoint "
+                             r"of step 3 \(sft.steps"),
+                            (f"sft.init_from={tmp_path},sft.steps=0",
+                             r"sft.init_from=.* with sft.steps=0")]:
     with pytest.raises(ValueError, match=message):
       train(smoke(data_dir, override), str(tmp_path / "w"), progress=False)
     assert not os.path.exists(tmp_path / "w" / "metrics.jsonl")

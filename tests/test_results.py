@@ -271,8 +271,8 @@ def _fake_runs_schedule(monkeypatch):
   """The ablation's configs with the 6 supervised steps fake_results' runs have."""
   config = ablation.run_config
 
-  def six_sft_steps(family, mode, seed, smoke=False, scale="cpu"):
-    c = config(family, mode, seed, smoke, scale)
+  def six_sft_steps(family, mode, seed, smoke=False, scale="cpu", init_from=""):
+    c = config(family, mode, seed, smoke, scale, init_from)
     c.sft.steps = 6
     return c
 

@@ -201,3 +201,44 @@ def test_a_checkpoint_of_layers_grouped_otherwise_restores_regrouped(data_dir, t
       assert a.shape == b.shape and a.sharding == want.sharding
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   ckpt.close()
+
+
+def test_rl_from_another_runs_warm_start_starts_from_its_state_and_rows(data_dir, tmp_path):
+  """trace (its 2 layers in stacks of 1 and 1) started from a bf16 run's warm start (one stack
+  of 2; rl.steps=0) holds, at the warm start's end, that run's policy and optimizer state
+  (regrouped), a checkpoint of its own, and that run's metric rows but for the evaluation,
+  made again in trace's MXFP4, as trace's own warm start evaluates; then RL runs on. (Trace's
+  own warm start is not this one: with its layers grouped otherwise the gradient norm's sum
+  runs in another order, 1 ulp apart at the first step.) A source whose warm start is another
+  is refused, naming the keys, before anything is written."""
+  source, started = str(tmp_path / "source"), str(tmp_path / "started")
+  warm = smoke(data_dir, "bf16", "rl.steps=0", "log.flip_rate_every=0")
+  train(warm, source, progress=False, log=quiet)
+  c, messages = smoke(data_dir, "trace", "log.flip_rate_every=0", "checkpoint.keep=10"), []
+  c.sft.init_from = source
+  train(c, started, progress=False, log=messages.append)
+
+  theirs, got = read_metrics(source), read_metrics(started)
+  assert [r["step"] for r in got] == list(range(TOTAL))
+  drop_eval = lambda r: {k: v for k, v in r.items() if not k.startswith("eval/")}
+  assert [drop_eval(r) for r in got[:SFT]] == [drop_eval(r) for r in theirs]
+  assert [r for r in got[:SFT - 1] if "eval/accuracy" in r] == []
+  run = Run(c, str(tmp_path / "scratch"), CharTokenizer(make_task(c.task).alphabet()))
+  like = run.abstract_state()
+  mine, yours = Checkpointer(started), Checkpointer(source)
+  mxfp4_eval = run.evaluate(yours.restore(SFT, like)[0]["params"])
+  assert {k: got[SFT - 1][k] for k in mxfp4_eval} == mxfp4_eval
+  assert all(r["phase"] == "rl" and r["reward/mean"] is not None for r in got[SFT:])
+  assert any("started RL from the warm start of " + source in m for m in messages), messages
+  assert not any(m.startswith("resumed") for m in messages), messages
+
+  assert stacks.sizes(like["params"]["layers"]) == (1, 1)
+  for a, b in zip(*(jax.tree.leaves(ck.restore(SFT, like)[0]) for ck in (mine, yours))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  mine.close(), yours.close()
+
+  other = smoke(data_dir, "trace", "log.flip_rate_every=0", "sft.lr=1e-3", "seed=1")
+  other.sft.init_from = source
+  with pytest.raises(ValueError, match=r"sft.init_from=.*keys \['seed', 'sft.lr'\]"):
+    train(other, str(tmp_path / "other"), progress=False, log=quiet)
+  assert not os.path.exists(tmp_path / "other" / "metrics.jsonl")

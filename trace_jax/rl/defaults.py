@@ -42,7 +42,13 @@ def base_config() -> ml_collections.ConfigDict:
       d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=4, top_k=2,
       d_ff=128, init_scale=1.0, hf_path="", chat_template=False))
 
-  c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3))
+  # the supervised warm start (bf16 in every mode); init_from: the workdir of a run of the same
+  # warm start (the same config but for what acts only after it: rl.*, eval.*, ...) whose
+  # checkpoint of step `steps` this run starts RL from, instead of its own warm start: its
+  # policy, optimizer state and metric rows, evaluated again at this run's rollout precision.
+  # Runs that compare modes then start RL from one policy (experiments/ablation.py); train the
+  # warm start once with rl.steps=0
+  c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3, init_from=""))
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 500

@@ -2,7 +2,8 @@
 
 `train(config, workdir)` is the whole run; it resumes from the newest checkpoint in `workdir`.
 The policy starts from a random init, or from a Hugging Face checkpoint (`model.hf_path`:
-trace_jax.rl.hf_policy).
+trace_jax.rl.hf_policy); or RL starts where another run's warm start ended (`sft.init_from`),
+so that runs of several modes start RL from one policy.
 Every step writes a row of DESIGN section 7 metrics; a step's data and sampling key are functions
 of the step number, so a resumed run continues exactly as an uninterrupted one. A SIGTERM or
 Ctrl-C stops the run between steps, with a checkpoint of the steps done.
@@ -47,7 +48,7 @@ from trace_jax.rl.rollout import RolloutEngine, SamplingConfig
 from trace_jax.rl.summary import format_summary, postfix, summarize
 from trace_jax.rl.trainer import RLOptions, Trainer, make_optimizer, mode_setup
 from trace_jax.rl.validate import make_task, validate
-from trace_jax.rl.writer import MetricsWriter
+from trace_jax.rl.writer import MetricsWriter, read_metrics
 
 
 class Run:
@@ -270,12 +271,60 @@ def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = Fals
   for step, e in unreadable:
     log(f"checkpoint {ckpt.path(step)} cannot be read ({_reason(e)}); "
         + (f"set aside as {ckpt.set_aside(step)}" if set_aside else "skipped"))
-  if state is None:
+  if state is None and c.sft.init_from:
+    run, state = _warm_started(c, workdir)
+    start = c.sft.steps
+  elif state is None:
     tokenizer = (HFTokenizer.from_directory(c.model.hf_path) if c.model.hf_path
                  else CharTokenizer(make_task(c.task).alphabet()))
     run = Run(c, workdir, tokenizer)
     state = run.initial_state()
   return run, run.place_state(state), start
+
+
+# the keys a warm start does not read (they act from RL on, or say where and how the run runs):
+# a run may take its warm start from a run that differs from it there (sft.init_from), and
+# nowhere else. rl.aux_coef, rl.max_new_tokens and rl.remat are read by the warm start
+_AFTER_WARM_START = ("rl.", "eval.", "log.", "checkpoint.", "engine.", "mesh.", "dist.",
+                     "data_dir", "deterministic", "sft.init_from")
+_READ_BY_WARM_START = ("rl.aux_coef", "rl.max_new_tokens", "rl.remat")
+
+
+def _warm_started(c, workdir: str):
+  """(Run, state) of `c` after the warm start that run `c.sft.init_from` made: its checkpoint
+  of step `c.sft.steps`, in this run's layout (its layers regrouped where the modes group them
+  otherwise). Raises ValueError, naming the keys, where that run's config has another warm
+  start."""
+  source = Checkpointer(c.sft.init_from)
+  try:
+    meta = source.meta(c.sft.steps)
+    theirs, mine = _flat(_config_json(saved_config(meta["config"]))), _flat(_config_json(c))
+    diff = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k)
+                  and (k in _READ_BY_WARM_START or not k.startswith(_AFTER_WARM_START)))
+    if diff:
+      raise ValueError(f"sft.init_from={c.sft.init_from!r}: that run's warm start is another "
+                       f"than this config's (keys {diff}: " + ", ".join(
+                           f"{k}={theirs.get(k)!r} there" for k in diff[:3]) + ")")
+    model = ModelConfig(**meta["model"]) if "model" in meta else None
+    run = Run(c, workdir, load_tokenizer_json(meta["tokenizer"]), model)
+    state, _ = source.restore(c.sft.steps, run.abstract_state())
+  finally:
+    source.close()
+  return run, state
+
+
+def _warm_start_rows(run, state, source: str, steps: int) -> list[tuple[int, dict]]:
+  """The metric rows of the warm start that run `source` made, as this run's: the same, but its
+  evaluations are left out, and the last row's made again by this run's engine (its rollout
+  precision, e.g. MXFP4 where `source` evaluated in bf16)."""
+  rows = [r for r in read_metrics(source) if r["step"] < steps]
+  if [r["step"] for r in rows] != list(range(steps)):
+    raise ValueError(f"sft.init_from={source!r}: its metrics.jsonl lacks rows of steps 0-"
+                     f"{steps - 1}, its warm start")
+  out = [(r["step"], {k: v for k, v in r.items() if k != "step" and not k.startswith("eval/")})
+         for r in rows]
+  out[-1][1].update(run.evaluate(state["params"]))
+  return out
 
 
 def load_run(workdir: str, data_dir: str | None = None):
@@ -315,14 +364,17 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   D.agree(ckpt.latest_step() or 0, f"the newest checkpoint in {ckpt.directory}")
   run, state, start = _open(c, workdir, ckpt, log, set_aside=True)
   start = D.agree(start, "the checkpoint step to resume from")
-  if start:
+  # a fresh start from another run's warm start: no checkpoint of its own yet
+  warm = bool(c.sft.init_from) and start == c.sft.steps and ckpt.latest_step() is None
+  if start and not warm:
     log(f"resumed from step {start} in {ckpt.directory}")
   tokenizer = run.tok
   if primary:
     tokenizer.save(workdir)
     with open(os.path.join(workdir, "config.json"), "w") as fh:
       json.dump(_config_json(c), fh, indent=2)
-  writer = MetricsWriter(workdir, start, tensorboard=c.log.tensorboard, write_files=primary)
+  writer = MetricsWriter(workdir, 0 if warm else start, tensorboard=c.log.tensorboard,
+                         write_files=primary)
   total = c.sft.steps + c.rl.steps
 
   def save(done):
@@ -330,6 +382,13 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
             "model": dataclasses.asdict(run.cfg), "config": _config_json(c)}
     writer.sync()
     ckpt.save(done, state, meta)
+
+  if warm:
+    for step, metrics in _warm_start_rows(run, state, c.sft.init_from, start):
+      writer.write(step, metrics)
+    save(start)  # a resume reads this run's own checkpoint, never the other run's again
+    log(f"started RL from the warm start of {c.sft.init_from} (its step {start}; its metric "
+        "rows copied, the policy evaluated again by this run's engine)")
 
   bar = tqdm(range(start, total), initial=start, total=total, disable=not (progress and primary),
              desc=f"{c.rl.mode}", dynamic_ncols=True)
@@ -380,13 +439,16 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   return summary
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+  """A nested config dict as {"section.key": value}."""
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
 def _check_same_config(saved: dict, now: dict, workdir: str) -> None:
-  def flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-      out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-  a, b = flat(saved), flat(now)
+  a, b = _flat(saved), _flat(now)
   # data_dir says where the prepared data lives, dist how the run is launched (a run resumes
   # on another number of processes) and deterministic how XLA schedules its GPU ops, not what
   # the run does

@@ -112,6 +112,16 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   if c.sft.steps < 0 or c.rl.steps < 0 or c.sft.steps + c.rl.steps == 0:
     raise ValueError(f"sft.steps ({c.sft.steps}) and rl.steps ({c.rl.steps}) must be >= 0 and "
                      "not both 0")
+  if c.sft.init_from:
+    checkpoints = os.path.join(c.sft.init_from, "checkpoints")
+    if c.sft.steps == 0:
+      raise ValueError(f"sft.init_from={c.sft.init_from!r} with sft.steps=0: there is no warm "
+                       "start to take; set sft.steps to where that run's warm start ends")
+    if not os.path.isdir(os.path.join(checkpoints, str(c.sft.steps))):
+      raise ValueError(f"sft.init_from={c.sft.init_from!r}: {checkpoints} holds no checkpoint "
+                       f"of step {c.sft.steps} (sft.steps, where the warm start ends); train "
+                       "the warm start there first (this config with rl.steps=0 and no "
+                       "sft.init_from)")
   if c.rl.group_size < 2:
     raise ValueError(f"rl.group_size must be >= 2 (GRPO compares samples of a prompt), got "
                      f"{c.rl.group_size}")
