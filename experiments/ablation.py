@@ -403,16 +403,16 @@ def main(argv=None):
       except curves.ResultsError as e:
         raise ValueError(f"--merge: {e}") from None
       print(f"from {other}: {', '.join(added) or 'nothing new'}", flush=True)
-    for family in [] if args.figures_only or args.merge else families:
-      for mode in modes:
-        for seed in seeds:
-          c = run_config(family, mode, seed, args.smoke, args.scale)
-          validate(c)  # (sft.init_from, where shared, is checked once its warm start is made)
-          check_sandbox(c)
-          if args.warm_start == "shared":
-            validate(_config(warm_arg(family, seed, args.smoke, args.scale)))
-          # each run as trace_jax.main runs it: before this process asks JAX for a device
-          determinism.enable(c.deterministic)
+    configs = [run_config(family, mode, seed, args.smoke, args.scale)
+               for family in ([] if args.figures_only or args.merge else families)
+               for mode in modes for seed in seeds]
+    configs += [_config(warm_arg(c.task.family, c.seed, args.smoke, args.scale))
+                for c in configs if args.warm_start == "shared"]
+    for c in configs:  # as trace_jax.main does: before anything asks JAX for a device (as
+      determinism.enable(c.deterministic)  # validating a config does, counting them)
+    for c in configs:  # (sft.init_from, where shared, is checked once its warm start is made)
+      validate(c)
+      check_sandbox(c)
 
   if args.merge:
     curves.write(args.out, summary, runs)

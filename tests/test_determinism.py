@@ -48,6 +48,51 @@ def test_enable_after_jax_started_on_a_gpu_without_the_flag_says_how_to_fix_it(m
   determinism.enable(True)  # set in the environment before JAX started: as asked
 
 
+# the entry points, each stopped once it would start training: whether the flag was set when
+# JAX started its backends (which is when XLA reads it)
+_FIRST_START = """
+import sys
+from jax._src import xla_bridge
+from trace_jax import determinism
+backends, seen = xla_bridge.backends, []
+def watched(*args, **kwargs):
+    seen.append(determinism.is_on())
+    return backends(*args, **kwargs)
+xla_bridge.backends = watched
+def stop(*_, **__):
+    print("flag set when JAX started:", seen[0])
+    sys.exit(0)
+"""
+_ENTRY_POINTS = {
+    "ablation": _FIRST_START + """
+from experiments import ablation
+ablation.train = ablation.train_in_processes = stop
+ablation.main(["--smoke", "--families=reasoning", "--modes=trace", "--compile_cache=none",
+               "--out=" + sys.argv[1], "--figures=" + sys.argv[1], "--data_dir=" + sys.argv[1]])
+""",
+    "main": _FIRST_START + """
+from trace_jax import main
+main.train = stop
+sys.argv[1:] = ["--config=configs/reasoning.py:smoke", "--workdir=" + sys.argv[1],
+                "--config.data_dir=" + sys.argv[1]]
+from trace_jax import cli
+cli.run(main.main, main._CONFIG)
+"""}
+
+
+@pytest.mark.parametrize("entry", sorted(_ENTRY_POINTS))
+def test_the_entry_points_set_the_flag_before_jax_starts(entry, tmp_path):
+  """XLA reads XLA_FLAGS once, when JAX starts: the ablation and the main entry point ask for
+  deterministic ops (their configs' default) before anything of theirs asks JAX for a device
+  (validating a config counts the devices). On a CPU JAX starting first does no harm; on a GPU
+  it stopped the ablation at start-up."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, "-c", _ENTRY_POINTS[entry], str(tmp_path)], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "flag set when JAX started: True" in out.stdout, out.stdout[-2000:]
+
+
 def _metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as fh:
     rows = [json.loads(line) for line in fh]
