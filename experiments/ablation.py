@@ -446,6 +446,7 @@ def main(argv=None):
   for family in families:
     fam = summary.setdefault(family, {"runs": {}, "final_eval_accuracy": {}})
     fam_runs = runs.setdefault(family, {})
+    posthoc, probed = [], None  # after the family's runs are recorded: a compile and more each
     for mode in modes:
       fresh = set()  # seeds whose results this invocation read from their run directory
       for seed in seeds:
@@ -471,8 +472,8 @@ def main(argv=None):
         fam["runs"][key], fam_runs[key] = run_results(family, mode, seed, workdir, c,
                                                       args.smoke, args.scale, init_from)
         fam["runs"][key]["git_commit"] = summary["provenance"]["git_commit"]
-        if mode == "bf16":  # post-hoc FP4: the bf16-trained policy on the MXFP4 engine
-          fam["runs"][key]["posthoc_fp4_accuracy"] = fp4_eval(workdir)
+        if mode == "bf16":
+          posthoc.append((key, workdir))
         fresh.add(seed)
         _headline(fam, mode, fresh)
         summary["runtime_s"] = time.time() - start
@@ -481,7 +482,13 @@ def main(argv=None):
         continue
       first = _headline(fam, mode, fresh)
       if mode == "trace_all" and first in fresh:
-        fam["probe"] = probe(os.path.join(args.out, family, mode, f"seed{first}"))
+        probed = os.path.join(args.out, family, mode, f"seed{first}")
+    for key, workdir in posthoc:  # post-hoc FP4: the bf16-trained policy on the MXFP4 engine
+      fam["runs"][key]["posthoc_fp4_accuracy"] = fp4_eval(workdir)
+      _headline(fam, "bf16", {int(key.split("/seed")[1])})
+      curves.write(args.out, summary, runs)
+    if probed:
+      fam["probe"] = probe(probed)
     if stopped is not None and not fam["runs"]:  # nothing of it finished yet
       del summary[family], runs[family]
     summary["runtime_s"] = time.time() - start
@@ -613,8 +620,11 @@ def _headline(fam: dict, mode: str, fresh: set) -> int:
     acc[mode] = fam["runs"][f"{mode}/seed{first}"]["eval_accuracy_after"]
     if mode == "bf16":
       acc["bf16_bf16"] = acc["bf16"]
-      if first in fresh:
-        acc["bf16_posthoc_fp4"] = fam["runs"][f"bf16/seed{first}"]["posthoc_fp4_accuracy"]
+      posthoc = fam["runs"][f"bf16/seed{first}"].get("posthoc_fp4_accuracy")
+      if first in fresh and posthoc is not None:  # (not yet evaluated: no number)
+        acc["bf16_posthoc_fp4"] = posthoc
+      elif first in fresh:
+        acc.pop("bf16_posthoc_fp4", None)
   return first
 
 

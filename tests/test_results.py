@@ -361,6 +361,43 @@ def test_a_stop_during_a_family_keeps_the_runs_it_finished(tmp_path, monkeypatch
   assert_summary_matches_curves(data.summary, data.curves)
 
 
+def test_a_stop_while_evaluating_post_hoc_keeps_every_run_that_finished(tmp_path, monkeypatch):
+  """Post-hoc FP4 and the probe (a compile and an evaluation each) come after a family's runs
+  are recorded: a call stopped by its time limit there keeps every run it trained (the bf16
+  one without its post-hoc number), and the next call on the same machine adds that number
+  without training again."""
+  out, figs = tmp_path / "results", tmp_path / "figures"
+  trained, stops = [], [KeyboardInterrupt]
+
+  def train(c, workdir, progress=True):
+    trained.append(os.path.relpath(workdir, out))
+    fake_run(workdir, c.rl.mode, sft=6, seed=c.seed)
+
+  def fp4_eval(workdir):
+    if stops:
+      raise stops.pop()
+    return 0.25
+
+  monkeypatch.setattr(ablation, "train", train)
+  monkeypatch.setattr(ablation, "finished", lambda w, c: os.path.exists(
+      os.path.join(w, "metrics.jsonl")))
+  monkeypatch.setattr(ablation, "fp4_eval", fp4_eval)
+  _fake_runs_schedule(monkeypatch)
+  args = ["--smoke", f"--out={out}", f"--figures={figs}", "--families=reasoning",
+          "--modes=bf16,trace", "--seeds=0"]
+  with pytest.raises(KeyboardInterrupt):
+    ablation.main(args)
+  runs = json.load(open(out / "summary.json"))["reasoning"]["runs"]
+  assert sorted(runs) == ["bf16/seed0", "trace/seed0"]
+  assert "posthoc_fp4_accuracy" not in runs["bf16/seed0"]
+  ablation.main(args)
+  assert trained == [os.path.join("reasoning", m, "seed0") for m in ("bf16", "trace")]
+  data = figures.load(str(out))
+  assert data.summary["reasoning"]["runs"]["bf16/seed0"]["posthoc_fp4_accuracy"] == 0.25
+  assert data.summary["reasoning"]["final_eval_accuracy"]["bf16_posthoc_fp4"] == 0.25
+  assert "| reasoning | bf16 policy, MXFP4 post hoc | | -> 0.250 |" in open(out / "table.md").read()
+
+
 def test_training_refuses_results_it_cannot_add_to(tmp_path, capsys):
   out = tmp_path / "results"
   out.mkdir()
