@@ -27,11 +27,11 @@ Compiled programs are kept in JAX's persistent cache (<out>/compile_cache, `--co
 so the runs after the first of a family and mode load theirs instead of compiling them.
 `--jobs=N` trains N runs at once, each in a process of its own (`python -m trace_jax.main`,
 its output in <run dir>/train.log): on one GPU the processes share it, each with 1/N of its
-memory, and one compiles or steps on the host while another runs on the device; the results
-are then read as above. A SIGTERM or Ctrl-C stops the running ones after their step in flight,
-with a checkpoint, records the runs that had finished (summary.json and curves.json: what a
-machine that is given back after a time limit leaves behind) and exits; rerunning the command
-resumes the others.
+memory, and one compiles or steps on the host while another runs on the device; each run's
+results are recorded as it finishes (summary.json and curves.json: what a machine that is
+given back after a time limit leaves behind), post-hoc FP4 and the probe once the runs are.
+A SIGTERM or Ctrl-C stops the running ones after their step in flight, with a checkpoint,
+records the runs that had finished and exits; rerunning the command resumes the others.
 
 Writes <out>/summary.json (the table's numbers, each run's config and command, the commit and
 package versions), <out>/curves.json (experiments/curves.py: the per-run curves, small enough
@@ -269,11 +269,13 @@ os.execv(sys.argv[2], sys.argv[2:])
 
 
 def train_in_processes(runs: list[tuple[str, list[str], str]], jobs: int,
-                       cache: str | None = None, poll_s: float = 1.0) -> list[str]:
+                       cache: str | None = None, poll_s: float = 1.0,
+                       on_finished=None) -> list[str]:
   """Runs (name, command, workdir) at most `jobs` at a time, each command in a process of its
   own with its output in <workdir>/train.log, in the order given -> the names of those that
   failed. Each process gets 1/jobs of the GPU's memory (unless XLA_PYTHON_CLIENT_MEM_FRACTION
-  is set) and `cache` as JAX's persistent compilation cache.
+  is set) and `cache` as JAX's persistent compilation cache. `on_finished(name)` is called as
+  each run ends well, while the others train on.
 
   A SIGTERM or SIGINT (Ctrl-C) starts no more runs and passes one SIGTERM to each running one,
   which stops after its step in flight with a checkpoint; once they have, `Interrupted` is
@@ -300,6 +302,8 @@ def train_in_processes(runs: list[tuple[str, list[str], str]], jobs: int,
               f"{log.name}", flush=True)
       else:
         print(f"== {name}: trained in {took:.1f} min", flush=True)
+      if proc.returncode == 0 and on_finished is not None:
+        on_finished(name)
 
   with StopBetweenSteps() as stop:
     try:
@@ -432,6 +436,26 @@ def main(argv=None):
   start = time.time()
   summary["provenance"] = provenance()
   failed, stopped = [], None
+
+  def record(family: str, mode: str, seed: int) -> None:
+    """Adds a finished run's results (read from its directory) to <out>'s, and writes them."""
+    fam = summary.setdefault(family, {"runs": {}, "final_eval_accuracy": {}})
+    init_from, key = _init_from(args, family, seed), f"{mode}/seed{seed}"
+    c = run_config(family, mode, seed, args.smoke, args.scale, init_from)
+    c.data_dir = args.data_dir
+    fam["runs"][key], runs.setdefault(family, {})[key] = run_results(
+        family, mode, seed, os.path.join(args.out, family, mode, f"seed{seed}"), c,
+        args.smoke, args.scale, init_from)
+    fam["runs"][key]["git_commit"] = summary["provenance"]["git_commit"]
+    _headline(fam, mode, {seed})
+    summary["runtime_s"] = time.time() - start
+    curves.write(args.out, summary, runs)  # after every run: a stop keeps what is done
+
+  def on_finished(name: str) -> None:  # a run trained in a process: recorded at once
+    family, mode, seed = name.split("/")
+    if mode != WARM:
+      record(family, mode, int(seed.removeprefix("seed")))
+
   if args.jobs > 1:
     cache_dir = None if cache == "none" else os.path.abspath(cache)
     to_train = _to_train(summary, families, modes, seeds, args)
@@ -440,12 +464,12 @@ def main(argv=None):
       failed = train_in_processes(warm, args.jobs, cache_dir) if warm else []
       failed += [name for name, _, _ in to_train if _warm_name(name) in failed]
       failed += train_in_processes([r for r in to_train if r[0] not in failed], args.jobs,
-                                   cache_dir)
+                                   cache_dir, on_finished=on_finished)
     except Interrupted as e:  # each run checkpointed where it stopped; those that had
       stopped = e.signum      # finished are recorded below, before the exit
   for family in families:
     fam = summary.setdefault(family, {"runs": {}, "final_eval_accuracy": {}})
-    fam_runs = runs.setdefault(family, {})
+    runs.setdefault(family, {})
     posthoc, probed = [], None  # after the family's runs are recorded: a compile and more each
     for mode in modes:
       fresh = set()  # seeds whose results this invocation read from their run directory
@@ -469,15 +493,10 @@ def main(argv=None):
             _train_warm_start(family, seed, args)
           print(f"== {family} / {mode} / seed {seed} -> {workdir}", flush=True)
           train(c, workdir, progress=False)
-        fam["runs"][key], fam_runs[key] = run_results(family, mode, seed, workdir, c,
-                                                      args.smoke, args.scale, init_from)
-        fam["runs"][key]["git_commit"] = summary["provenance"]["git_commit"]
+        record(family, mode, seed)
         if mode == "bf16":
           posthoc.append((key, workdir))
         fresh.add(seed)
-        _headline(fam, mode, fresh)
-        summary["runtime_s"] = time.time() - start
-        curves.write(args.out, summary, runs)  # after every run: a stop keeps what is done
       if not any(k.startswith(mode + "/") for k in fam["runs"]):  # its runs all failed
         continue
       first = _headline(fam, mode, fresh)

@@ -41,6 +41,19 @@ def test_train_in_processes_runs_at_most_jobs_at_once_and_names_the_failures(tmp
   assert "step 1 of 1" in open(tmp_path / "run4" / "train.log").read()
 
 
+def test_each_run_that_finishes_is_reported_at_once_while_the_others_train(tmp_path):
+  """`on_finished(name)` as each run ends well (the ablation records it then: a machine lost
+  later keeps it), not for one that fails, and before a longer run beside it has ended."""
+  runs = [(f"run{i}", [sys.executable, "-c", RUN.replace("0.4", str(s)), str(tmp_path / f"run{i}"),
+                       str(status)], str(tmp_path / f"run{i}"))
+          for i, (s, status) in enumerate([(0.1, 0), (0.1, 1), (4.0, 0)])]
+  reported = []
+  on_finished = lambda name: reported.append((name, (tmp_path / "run2" / "ran.json").exists()))
+  failed = ablation.train_in_processes(runs, 3, poll_s=0.02, on_finished=on_finished)
+  assert failed == ["run1"]
+  assert reported == [("run0", False), ("run2", True)]
+
+
 def test_train_command_is_the_main_entry_point_on_the_run_config(tmp_path):
   command = ablation.train_command("reasoning", "trace", 1, str(tmp_path / "w"), smoke=True,
                                    scale="gpu", data_dir="/d")
@@ -116,7 +129,7 @@ def test_a_stopped_jobs_invocation_records_the_runs_that_finished(tmp_path, monk
   out = tmp_path / "results"
   done, trained = str(out / "reasoning" / "bf16" / "seed0"), []
 
-  def stopped(runs, jobs, cache=None):  # bf16 trained to its end, trace_all stopped midway
+  def stopped(runs, jobs, cache=None, on_finished=None):  # bf16 done, trace_all stopped midway
     assert [name for name, *_ in runs] == ["reasoning/bf16/seed0", "reasoning/trace_all/seed0"]
     for _, _, workdir in runs:
       os.makedirs(workdir)
@@ -147,6 +160,29 @@ def test_a_stopped_jobs_invocation_records_the_runs_that_finished(tmp_path, monk
   assert "rerunning the same command resumes" in capsys.readouterr().err
 
 
+def test_a_run_that_finished_in_a_process_is_recorded_before_the_others_end(tmp_path,
+                                                                             monkeypatch):
+  """--jobs=2 on a machine lost (here: the pool dies) while trace_all still trained: bf16,
+  finished before, is in summary.json already (its post-hoc number comes later)."""
+  out, trained = tmp_path / "results", set()
+
+  def lost(runs, jobs, cache=None, on_finished=None):
+    for _, _, workdir in runs:
+      os.makedirs(workdir)
+    trained.add(runs[0][2])
+    on_finished(runs[0][0])
+    raise SystemExit("the machine is gone")
+
+  _fake_results(monkeypatch, trained)
+  monkeypatch.setattr(ablation, "train_in_processes", lost)
+  with pytest.raises(SystemExit, match="gone"):
+    ablation.main(["--smoke", f"--out={out}", f"--figures={tmp_path / 'f'}", "--jobs=2",
+                   "--families=reasoning", "--modes=bf16,trace_all", "--compile_cache=none",
+                   f"--data_dir={tmp_path / 'tfds'}"])
+  runs = json.load(open(out / "summary.json"))["reasoning"]["runs"]
+  assert sorted(runs) == ["bf16/seed0"] and "posthoc_fp4_accuracy" not in runs["bf16/seed0"]
+
+
 def _fake_results(monkeypatch, trained):
   """The ablation with its runs' results faked: a run is finished once `trained` holds it."""
   def results(family, mode, seed, workdir, c, smoke=False, scale="cpu", init_from=""):
@@ -175,7 +211,7 @@ def test_jobs_train_the_shared_warm_starts_first_and_the_runs_start_rl_from_thei
   (named at the end), not the other seed's."""
   out, trained, calls = tmp_path / "results", set(), []
 
-  def pool(runs, jobs, cache=None):
+  def pool(runs, jobs, cache=None, on_finished=None):
     calls.append(runs)
     for _, _, workdir in runs:
       os.makedirs(workdir)
