@@ -59,11 +59,13 @@ def comparable(rows):
   return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
 
 
-# trace_all is trace with records at every layer (tests/rl/test_rollout.py checks those), and
-# fp4_rollout a bf16 trainer (bf16's) on FP4 rollouts (trace's): the default run leaves their
-# 30-60 s each to the slow selection
+# trace_all is trace with records at every layer (tests/rl/test_rollout.py checks those),
+# fp4_rollout a bf16 trainer (bf16's) on FP4 rollouts (trace's), and fp4_qat trace without
+# records (trace's first layer is unguided QAT): the default run leaves their 30-60 s each to
+# the slow selection
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow)
-                                  if m in ("trace_all", "fp4_rollout") else m for m in MODES])
+                                  if m in ("trace_all", "fp4_rollout", "fp4_qat") else m
+                                  for m in MODES])
 def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
   c = smoke(data_dir, mode, "rl.routing_replay=true", "rl.correction=tis")
   summary = train(c, str(tmp_path), progress=False, log=lambda *_: None)
