@@ -38,7 +38,8 @@ computed from byte counts for the full 48-layer model in the device's memory; `-
 runs each variant at its own largest batch (a multiple of 8) in one memory budget, counted from
 its compiled decode loop (weights, state, XLA's temporaries): FP4 against bf16 "each at the
 largest batch it fits" in the same memory (`--memory_gb`, by default the device's). Writes
-bench_rollout.json and prints a table; BENCHMARKS.md quotes it.
+bench_rollout.json (again after every row, `complete` false until the run ends: a run cut
+short keeps what it measured) and prints a table; BENCHMARKS.md quotes it.
 """
 
 from __future__ import annotations
@@ -376,9 +377,11 @@ def _top(split: dict, top: int = 12) -> dict:
 
 def run(layers: int, batches: list, context: int, steps: int, variants: list[str],
         preset: str = "qwen3_30b_a3b", profile: bool = False, hlo_dir: str | None = None,
-        slots: int | None = None, sync: bool = False, memory_bytes: int | None = None) -> dict:
+        slots: int | None = None, sync: bool = False, memory_bytes: int | None = None,
+        on_row=None) -> dict:
   """batches: ints, and "max" for each variant's largest batch (`largest_batch`) in
-  `memory_bytes` (by default the memory the device lets arrays take)."""
+  `memory_bytes` (by default the memory the device lets arrays take). `on_row(result)` after
+  each row is measured (the result so far, `complete` false until the end)."""
   limit_bytes = device_bytes()
   budget = memory_bytes or limit_bytes
   if "max" in batches and not budget:
@@ -391,7 +394,7 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
             "layers": layers,
             "context": context, "steps": steps, "slots": slots, "copy_bytes_per_s": copy,
             "memory_bytes": limit_bytes, "rows": [], "max_batch": {}, "sync_s_per_layer": {},
-            "errors": []}
+            "errors": [], "complete": False}
   if "max" in batches:
     result["budget_bytes"] = budget
   packed = {}
@@ -463,6 +466,8 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
         result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]}"
                                 + (f" (decode loop: {memory})" if memory else ""))
         print("ERROR", result["errors"][-1], flush=True)
+        if on_row is not None:
+          on_row(result)
         continue
       seconds = float(np.median(samples)) / steps
       filled = 1.0  # a cache of context + steps: all of it
@@ -485,10 +490,13 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
                                           list(_top(row["kernels_us_per_step"], 40)))
       result["rows"].append(row)
       print(json.dumps(row), flush=True)
+      if on_row is not None:
+        on_row(result)
   if limit_bytes:  # the full model of the preset, its cache as the run allocates it
     for precision in sorted({v.split(":")[0] for v in variants}):
       result["max_batch"][precision] = max_batch(precision, slots or context + steps,
                                                  limit_bytes, preset)
+  result["complete"] = True
   return result
 
 
@@ -581,10 +589,17 @@ def main():
   if "max" in args.batches and not (memory or device_bytes()):
     parser.error("--batches=max needs --memory_gb here: this device does not say how much "
                  "memory arrays may take")
+  path = os.path.join(args.out, "bench_rollout.json")
+
+  def write(result):  # after every row: a run cut short keeps what it measured
+    with open(path + ".tmp", "w") as fh:
+      json.dump(result, fh, indent=1)
+    os.replace(path + ".tmp", path)
+
   result = run(args.layers, args.batches, args.context, args.steps, variants, args.preset,
-               args.profile, args.out if args.hlo else None, args.slots, args.sync, memory)
-  with open(os.path.join(args.out, "bench_rollout.json"), "w") as fh:
-    json.dump(result, fh, indent=1)
+               args.profile, args.out if args.hlo else None, args.slots, args.sync, memory,
+               on_row=write)
+  write(result)
   print(table(result))
 
 

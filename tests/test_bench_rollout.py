@@ -278,3 +278,31 @@ def test_max_needs_a_memory_budget_and_bad_batches_are_named(monkeypatch, capsys
     with pytest.raises(SystemExit):
       bench_rollout.main()
     assert "--batches: " in capsys.readouterr().err
+
+
+def test_the_json_holds_each_row_as_it_is_measured(tmp_path, monkeypatch):
+  """A benchmark cut short (a call's time limit, an allocator's abort) keeps the rows it had
+  measured: bench_rollout.json is written again after every row, `complete` false until the
+  run has ended."""
+  import json
+  engine, made = bench_rollout.RolloutEngine, []
+
+  def the_second_is_stopped(*args, **kwargs):
+    made.append(1)
+    if len(made) == 2:
+      raise KeyboardInterrupt
+    return engine(*args, **kwargs)
+
+  monkeypatch.setattr(bench_rollout, "RolloutEngine", the_second_is_stopped)
+  monkeypatch.setattr(sys, "argv", ["bench_rollout.py", f"--out={tmp_path}", "--layers=1",
+                                    "--batches=4", "--context=48", "--steps=4", "--preset=tiny",
+                                    "--variants=bf16:xla,mxfp4:xla"])
+  with pytest.raises(KeyboardInterrupt):
+    bench_rollout.main()
+  result = json.load(open(tmp_path / "bench_rollout.json"))
+  assert [r["variant"] for r in result["rows"]] == ["bf16:xla"] and not result["complete"]
+  monkeypatch.setattr(bench_rollout, "RolloutEngine", engine)
+  bench_rollout.main()
+  result = json.load(open(tmp_path / "bench_rollout.json"))
+  assert [r["variant"] for r in result["rows"]] == ["bf16:xla", "mxfp4:xla"]
+  assert result["complete"]
