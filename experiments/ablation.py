@@ -110,8 +110,7 @@ def warm_dir(out: str, family: str, seed: int) -> str:
 def run_config(family: str, mode: str, seed: int, smoke: bool = False, scale: str = "cpu",
                init_from: str = "") -> ml_collections.ConfigDict:
   """The run's config: configs/ablation.py, the one source of the ablation's settings."""
-  return importlib.import_module("configs.ablation").get_config(
-      config_arg(family, mode, seed, smoke, scale, init_from))
+  return _config(config_arg(family, mode, seed, smoke, scale, init_from))
 
 
 def provenance() -> dict:
@@ -410,8 +409,9 @@ def main(argv=None):
     configs = [run_config(family, mode, seed, args.smoke, args.scale)
                for family in ([] if args.figures_only or args.merge else families)
                for mode in modes for seed in seeds]
-    configs += [_config(warm_arg(c.task.family, c.seed, args.smoke, args.scale))
-                for c in configs if args.warm_start == "shared"]
+    configs += [_config(arg) for arg in dict.fromkeys(  # each family and seed's warm start once
+        warm_arg(c.task.family, c.seed, args.smoke, args.scale) for c in configs
+        if args.warm_start == "shared")]
     for c in configs:  # as trace_jax.main does: before anything asks JAX for a device (as
       determinism.enable(c.deterministic)  # validating a config does, counting them)
     for c in configs:  # (sft.init_from, where shared, is checked once its warm start is made)
@@ -451,10 +451,13 @@ def main(argv=None):
     summary["runtime_s"] = time.time() - start
     curves.write(args.out, summary, runs)  # after every run: a stop keeps what is done
 
+  recorded_now = set()  # "family/mode/seedS" read from its directory by on_finished
+
   def on_finished(name: str) -> None:  # a run trained in a process: recorded at once
     family, mode, seed = name.split("/")
     if mode != WARM:
       record(family, mode, int(seed.removeprefix("seed")))
+      recorded_now.add(name)
 
   if args.jobs > 1:
     cache_dir = None if cache == "none" else os.path.abspath(cache)
@@ -493,7 +496,8 @@ def main(argv=None):
             _train_warm_start(family, seed, args)
           print(f"== {family} / {mode} / seed {seed} -> {workdir}", flush=True)
           train(c, workdir, progress=False)
-        record(family, mode, seed)
+        if f"{family}/{key}" not in recorded_now:
+          record(family, mode, seed)
         if mode == "bf16":
           posthoc.append((key, workdir))
         fresh.add(seed)
