@@ -147,9 +147,10 @@ def previous_results(out: str) -> tuple[dict, dict]:
     raise curves.ResultsError(f"{out} holds {held[0]} without the other of {curves.SUMMARY} "
                               f"and {curves.CURVES}")
   data = curves.load(out)
-  for family in data.families:  # each run keeps the commit that produced it
+  for family in data.families:  # each run keeps the commit and the device that produced it
     for run in data.summary[family]["runs"].values():
-      run.setdefault("git_commit", data.summary["provenance"].get("git_commit"))
+      for key in ("git_commit", "device"):
+        run.setdefault(key, data.summary["provenance"].get(key))
   return data.summary, data.curves["runs"]
 
 
@@ -446,7 +447,8 @@ def main(argv=None):
     fam["runs"][key], runs.setdefault(family, {})[key] = run_results(
         family, mode, seed, os.path.join(args.out, family, mode, f"seed{seed}"), c,
         args.smoke, args.scale, init_from)
-    fam["runs"][key]["git_commit"] = summary["provenance"]["git_commit"]
+    for made in ("git_commit", "device"):
+      fam["runs"][key][made] = summary["provenance"][made]
     _headline(fam, mode, {seed})
     summary["runtime_s"] = time.time() - start
     curves.write(args.out, summary, runs)  # after every run: a stop keeps what is done
@@ -631,7 +633,7 @@ def merge(summary: dict, runs: dict, other: str) -> list[str]:
 def _numbers(run: dict) -> dict:
   """What a recorded run measured (not where or by which commit it ran)."""
   return {k: v for k, v in run.items()
-          if k not in ("git_commit", "command", "warm_start_command", "config")}
+          if k not in ("git_commit", "device", "command", "warm_start_command", "config")}
 
 
 def _headline(fam: dict, mode: str, fresh: set) -> int:

@@ -285,6 +285,8 @@ def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch,
   families and the recorded runs, trains only what is not recorded, and says which it kept."""
   out, figs = tmp_path / "results", tmp_path / "figures"
   before = fake_results(str(out), modes=("bf16", "trace"))
+  before["provenance"]["device"] = "Earlier Device"  # the earlier runs' machine, not this one
+  curves.write(str(out), before, curves.load(str(out)).curves["runs"])
   trained = []
 
   def train(c, workdir, progress=True):  # a fake run where the ablation trains one
@@ -303,15 +305,16 @@ def test_more_seeds_of_one_family_keep_every_other_result(tmp_path, monkeypatch,
   assert sorted(trained) == [os.path.join("long_horizon", m, "seed1") for m in ("bf16", "trace")]
   assert "long_horizon / bf16 / seed 0: kept from" in capsys.readouterr().out
   data = figures.load(str(out))
-  commit = before["provenance"]["git_commit"]  # kept runs: the commit that produced them
+  # kept runs: the commit and the device that produced them
+  made = {"git_commit": before["provenance"]["git_commit"], "device": "Earlier Device"}
   assert data.summary["reasoning"]["runs"] == {
-      k: {**r, "git_commit": commit} for k, r in before["reasoning"]["runs"].items()}
+      k: {**r, **made} for k, r in before["reasoning"]["runs"].items()}
   assert data.summary["reasoning"]["probe"] == before["reasoning"]["probe"]
   lh = data.summary["long_horizon"]
   assert sorted(lh["runs"]) == ["bf16/seed0", "bf16/seed1", "trace/seed0", "trace/seed1"]
-  assert lh["runs"]["trace/seed0"] == {**before["long_horizon"]["runs"]["trace/seed0"],
-                                       "git_commit": commit}
-  assert lh["runs"]["trace/seed1"]["git_commit"] == data.summary["provenance"]["git_commit"]
+  assert lh["runs"]["trace/seed0"] == {**before["long_horizon"]["runs"]["trace/seed0"], **made}
+  for key in ("git_commit", "device"):  # runs trained now: this invocation's
+    assert lh["runs"]["trace/seed1"][key] == data.summary["provenance"][key]
   # the headline numbers stay the lowest seed's; what needs a checkpoint is kept
   assert lh["final_eval_accuracy"] == before["long_horizon"]["final_eval_accuracy"]
   assert lh["probe"] == before["long_horizon"]["probe"]
@@ -475,7 +478,7 @@ def test_merge_adds_the_runs_another_machine_recorded(tmp_path, capsys):
   theirs = curves.load(str(there))
   # <out> holds bf16 alone (the older copy the other machine started from)
   here.mkdir()
-  mine = {"provenance": both["provenance"], "reasoning": {
+  mine = {"provenance": {**both["provenance"], "device": "Here Device"}, "reasoning": {
       "runs": {"bf16/seed0": both["reasoning"]["runs"]["bf16/seed0"]},
       "final_eval_accuracy": {k: v for k, v in both["reasoning"]["final_eval_accuracy"].items()
                               if k.startswith("bf16")}}}
@@ -486,6 +489,10 @@ def test_merge_adds_the_runs_another_machine_recorded(tmp_path, capsys):
   assert "from " + str(there) + ": reasoning/trace/seed0" in capsys.readouterr().out
   merged = curves.load(str(here))
   assert set(merged.summary["reasoning"]["runs"]) == {"bf16/seed0", "trace/seed0"}
+  # each run keeps the device it ran on, though <out>'s provenance is of another machine
+  assert merged.summary["provenance"]["device"] == "Here Device"
+  assert {k: r["device"] for k, r in merged.summary["reasoning"]["runs"].items()} == {
+      "bf16/seed0": "Here Device", "trace/seed0": both["provenance"]["device"]}
   assert merged.summary["reasoning"]["final_eval_accuracy"]["trace"] == (
       both["reasoning"]["runs"]["trace/seed0"]["eval_accuracy_after"])
   assert merged.curves["runs"]["reasoning"]["trace/seed0"] == (
