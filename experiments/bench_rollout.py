@@ -262,6 +262,18 @@ def memory_stats() -> dict:
   return jax.devices()[0].memory_stats() or {}
 
 
+def allocator_counts() -> str:
+  """What the device's allocator holds now, in words ("" where it keeps no counts): read when a
+  batch fails, it shows what the byte count (`decode_memory`) left out."""
+  stats = memory_stats()
+  gb = lambda k: f"{stats[k] / 1e9:.1f} GB"
+  words = [f"{gb('bytes_in_use')} in use"] if "bytes_in_use" in stats else []
+  words += [f"{name} {gb(k)}" for k, name in (
+      ("peak_bytes_in_use", "peak"), ("largest_alloc_size", "largest allocation"),
+      ("bytes_limit", "limit")) if k in stats]
+  return "allocator: " + ", ".join(words) if words else ""
+
+
 def device_bytes() -> int:
   """The memory the device lets arrays take (0 where it does not say: the CPU)."""
   return int(memory_stats().get("bytes_limit", 0))
@@ -423,7 +435,7 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
                            scan_decode=scan, w4a4=w4a4)
     for b in batches:
       largest, compiled = b == "max", {}
-      memory = {}
+      memory, stage = {}, "compiling the loop"
       try:
         t0 = time.perf_counter()
         if largest:
@@ -442,16 +454,20 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
           decode = engine.compiled_decode(weights, shapes)  # the executable engine.run calls
           memory = decode_memory(decode, weights, shapes)
         compiled = None
+        stage = "counting what fits"
         check_fits(memory, b)
+        stage = "building the state"
         state = decode_state(engine, weights, b, context, steps, key, slots)
         if hlo_dir:  # before the first call, so a loop that runs out of memory is kept too
           name = f"hlo_{re.sub('[:+]', '_', variant)}_{b}.txt"
           with open(os.path.join(hlo_dir, name), "w") as fh:
             fh.write(decode.as_text())
         limit = lambda: {"limit": jnp.asarray(context + steps, jnp.int32)}  # donated each call
+        stage = "running its first call"
         jax.block_until_ready(decode(weights, {**state, **limit()}))
         compile_s = time.perf_counter() - t0
         samples = []
+        stage = "running the timed calls"
         for rep in range(3):
           out = None  # (the last call's state, freed before the next is made)
           state = jax.block_until_ready(decode_state(engine, weights, b, context, steps,
@@ -463,8 +479,10 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
       except Exception as e:  # noqa: BLE001  (out of memory at a large batch: reported)
         state = out = None
         compiled = None
-        result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]}"
-                                + (f" (decode loop: {memory})" if memory else ""))
+        where = [f"while {stage}", allocator_counts()]
+        result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]} ("
+                                + "; ".join(filter(None, where))
+                                + (f"; decode loop: {memory})" if memory else ")"))
         print("ERROR", result["errors"][-1], flush=True)
         if on_row is not None:
           on_row(result)

@@ -168,6 +168,31 @@ def test_a_batch_that_does_not_fit_is_refused_before_its_state_is_made(monkeypat
   assert made == [True]  # traced for its shapes, never built
 
 
+def test_an_error_names_where_it_stopped_and_what_the_allocator_held(monkeypatch):
+  """A batch that fits by the count but fails later (out of memory building its state, or in
+  the loop) is one error that says at which stage, with the allocator's counts at that moment:
+  what the count left out is then there to read."""
+  import jax
+  stats = {"bytes_limit": 2**40, "bytes_in_use": 3 * 10**9, "peak_bytes_in_use": 5 * 10**9,
+           "largest_alloc_size": 10**9}
+  monkeypatch.setattr(bench_rollout, "memory_stats", lambda: stats)
+  real = bench_rollout.decode_state
+
+  def state(*a, **kw):
+    if not isinstance(a[-2], jax.core.Tracer):  # built, not traced: fails as an OOM would
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+    return real(*a, **kw)
+
+  monkeypatch.setattr(bench_rollout, "decode_state", state)
+  result = bench_rollout.run(1, [8], 16, 4, ["bf16:xla"], preset="tiny")
+  assert not result["rows"] and len(result["errors"]) == 1, result
+  error = result["errors"][0]
+  assert error.startswith("bf16:xla B=8: RuntimeError: RESOURCE_EXHAUSTED"), error
+  assert "while building the state" in error, error
+  assert ("allocator: 3.0 GB in use, peak 5.0 GB, largest allocation 1.0 GB, "
+          "limit 1099.5 GB") in error, error
+
+
 @pytest.mark.slow  # the scanned decode (bench_rollout's +scan, engine.scan_decode): off by default
 def test_stacked_random_weights_are_the_scanned_decodes_layout():
   """Stacked random weights: the layout `pack_weights(..., stacked=True)` gives a uniform
