@@ -113,6 +113,9 @@ def run_config(family: str, mode: str, seed: int, smoke: bool = False, scale: st
   return _config(config_arg(family, mode, seed, smoke, scale, init_from))
 
 
+MADE_BY = ("git_commit", "device")  # provenance's keys each recorded run keeps as its own
+
+
 def provenance() -> dict:
   """What produced the results: the commit (and whether the tree differed from it outside the
   results), the package versions, the machine and the time."""
@@ -149,7 +152,7 @@ def previous_results(out: str) -> tuple[dict, dict]:
   data = curves.load(out)
   for family in data.families:  # each run keeps the commit and the device that produced it
     for run in data.summary[family]["runs"].values():
-      for key in ("git_commit", "device"):
+      for key in MADE_BY:
         run.setdefault(key, data.summary["provenance"].get(key))
   return data.summary, data.curves["runs"]
 
@@ -447,8 +450,7 @@ def main(argv=None):
     fam["runs"][key], runs.setdefault(family, {})[key] = run_results(
         family, mode, seed, os.path.join(args.out, family, mode, f"seed{seed}"), c,
         args.smoke, args.scale, init_from)
-    for made in ("git_commit", "device"):
-      fam["runs"][key][made] = summary["provenance"][made]
+    fam["runs"][key].update({k: summary["provenance"][k] for k in MADE_BY})
     _headline(fam, mode, {seed})
     summary["runtime_s"] = time.time() - start
     curves.write(args.out, summary, runs)  # after every run: a stop keeps what is done
@@ -633,7 +635,7 @@ def merge(summary: dict, runs: dict, other: str) -> list[str]:
 def _numbers(run: dict) -> dict:
   """What a recorded run measured (not where or by which commit it ran)."""
   return {k: v for k, v in run.items()
-          if k not in ("git_commit", "device", "command", "warm_start_command", "config")}
+          if k not in (*MADE_BY, "command", "warm_start_command", "config")}
 
 
 def _headline(fam: dict, mode: str, fresh: set) -> int:

@@ -479,10 +479,9 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
       except Exception as e:  # noqa: BLE001  (out of memory at a large batch: reported)
         state = out = None
         compiled = None
-        where = [f"while {stage}", allocator_counts()]
-        result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]} ("
-                                + "; ".join(filter(None, where))
-                                + (f"; decode loop: {memory})" if memory else ")"))
+        notes = [f"while {stage}", allocator_counts(), memory and f"decode loop: {memory}"]
+        result["errors"].append(f"{variant} B={b}: {type(e).__name__}: {str(e)[:300]} "
+                                f"({'; '.join(filter(None, notes))})")
         print("ERROR", result["errors"][-1], flush=True)
         if on_row is not None:
           on_row(result)
