@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg by its
 import numpy as np
 
 from experiments import curves as curves_file
+from experiments import seeds
 
 MODES = ("bf16", "fp4_rollout", "fp4_qat", "trace", "trace_all")
 COLORS = dict(zip(MODES, ("black", "tab:red", "tab:orange", "tab:blue", "tab:green")))
@@ -137,19 +138,39 @@ def bytes_vs_kl(data):
   return _finish(fig, panels, "record bytes per token", "KL (k3)", log=True)
 
 
+def _final_accuracies(family: dict) -> dict[str, list[float]]:
+  """Greedy eval accuracy after RL of every recorded seed, per bar of `final_accuracy`: each
+  mode's runs (the bf16 policy in bf16 as "bf16") and post-hoc FP4 of each bf16 policy."""
+  out: dict[str, list[float]] = {}
+  for key, run in sorted(family["runs"].items()):
+    if run.get("eval_accuracy_after") is not None:
+      out.setdefault(key.split("/")[0], []).append(run["eval_accuracy_after"])
+  out["posthoc"] = list(seeds.posthoc(family).values())
+  return out
+
+
 def final_accuracy(data):
-  """FP4 eval accuracy: TRACE-trained FP4 policies against post-hoc FP4 of the BF16 policy."""
-  bars = [("bf16 policy, bf16", "bf16_bf16"), ("bf16 policy, FP4 post-hoc", "bf16_posthoc_fp4"),
+  """Greedy eval accuracy after RL: the FP4-trained policies against the bf16 policy in bf16 and
+  post-hoc FP4. A bar is the mean over the seeds recorded, its error bar the 95% interval
+  (experiments/seeds.py), the dots the seeds."""
+  bars = [("bf16 policy, bf16", "bf16"), ("bf16 policy, FP4 post-hoc", "posthoc"),
           ("fp4_rollout, FP4", "fp4_rollout"), ("fp4_qat, FP4", "fp4_qat"),
           ("trace, FP4", "trace"), ("trace_all, FP4", "trace_all")]
   families = data.families
+  values = [_final_accuracies(data.summary[f]) for f in families]
   fig, ax = plt.subplots(figsize=(2.2 * len(families) + 4.5, 3.6))
   width = 0.8 / len(bars)
   for j, (label, key) in enumerate(bars):
-    ys = [data.summary[f]["final_eval_accuracy"].get(key, np.nan) for f in families]
-    ax.bar(np.arange(len(families)) + j * width, ys, width, label=label)
+    stats = [seeds.interval(v.get(key, [])) for v in values]
+    x = np.arange(len(families)) + j * width
+    ys = [np.nan if s["mean"] is None else s["mean"] for s in stats]
+    ax.bar(x, ys, width, yerr=[s["ci95"] or 0.0 for s in stats], capsize=2, label=label,
+           error_kw={"elinewidth": 0.8})
+    for xi, v in zip(x, values):
+      ax.plot([xi] * len(v.get(key, [])), v.get(key, []), ".", color="black", ms=3)
   ax.set_xticks(np.arange(len(families)) + 0.4 - width / 2, families)
-  ax.set_ylabel("greedy eval accuracy")
+  ax.set_ylabel("greedy eval accuracy\n(seeds, mean, 95% interval)")
+  ax.set_ylim(0, min(1.05, ax.get_ylim()[1]))  # an accuracy: intervals past 1 cut there
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
   ax.grid(alpha=0.3, axis="y")
   fig.tight_layout()

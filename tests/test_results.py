@@ -10,9 +10,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
+from matplotlib.container import BarContainer
 
 from experiments import ablation, curves, figures
 from trace_jax.rl.writer import MetricsWriter
@@ -154,6 +156,30 @@ def test_curves_hold_what_the_figures_draw(tmp_path, monkeypatch):
   assert curves.run_curves(rows[:6])["reward/mean"] == []  # no RL step yet
 
 
+def test_final_accuracy_bars_are_each_policys_mean_over_its_seeds():
+  """The final-accuracy figure draws each policy's mean over the seeds recorded, with its 95%
+  interval as the error bar, not the lowest seed's headline number; post-hoc FP4 from every
+  bf16 seed's own evaluation."""
+  runs = {f"{mode}/seed{seed}": {"eval_accuracy_after": a, "eval_accuracy_before_rl": 0.5}
+          for mode, values in (("bf16", (0.5, 0.6, 0.7)), ("trace", (0.2, 0.4, 0.3)))
+          for seed, a in enumerate(values)}
+  for seed, p in enumerate((0.1, 0.2, 0.6)):
+    runs[f"bf16/seed{seed}"]["posthoc_fp4_accuracy"] = p
+  family = {"runs": runs, "final_eval_accuracy": {  # seed 0's, as the ablation keeps them
+      "bf16": 0.5, "bf16_bf16": 0.5, "bf16_posthoc_fp4": 0.1, "trace": 0.2}}
+  data = types.SimpleNamespace(families=["reasoning"], summary={"reasoning": family})
+  ax = figures.final_accuracy(data).axes[0]
+  bars = {c.get_label(): c for c in ax.containers if isinstance(c, BarContainer)}
+  height = {label: c.patches[0].get_height() for label, c in bars.items()}
+  assert height["bf16 policy, bf16"] == pytest.approx(0.6)
+  assert height["bf16 policy, FP4 post-hoc"] == pytest.approx(0.3)
+  assert height["trace, FP4"] == pytest.approx(0.3)
+  assert np.isnan(height["fp4_qat, FP4"])  # no run of it
+  (lo, hi), = [seg[:, 1] for seg in bars["trace, FP4"].errorbar.lines[2][0].get_segments()]
+  half = 4.302653 * 0.1 / math.sqrt(3)  # Student's t, 2 degrees of freedom, sd 0.1
+  assert (lo, hi) == pytest.approx((0.3 - half, 0.3 + half), rel=1e-5)
+
+
 def test_results_are_one_summary_and_one_small_curves_file(tmp_path):
   out = tmp_path / "results"
   summary = fake_results(str(out))
@@ -254,7 +280,7 @@ def test_the_check_holds_once_a_full_run_is_committed(tmp_path):
   figures drawn from them, RESULTS.md without the notice; and a figure of another run fails."""
   root = tmp_path / "clone"
   (root / "experiments").mkdir(parents=True)
-  for name in ("__init__.py", "curves.py", "figures.py", "ablation.ipynb"):
+  for name in ("__init__.py", "curves.py", "figures.py", "seeds.py", "ablation.ipynb"):
     shutil.copy(ROOT / "experiments" / name, root / "experiments" / name)
   fake_results(str(root / "experiments" / "results"))
   figures.make_all(str(root / "experiments" / "results"), str(root / "experiments" / "figures"))
