@@ -78,6 +78,10 @@ def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
               "mismatch/route_flip_rate", "mismatch/kl_k3_by_position"):
     assert all(key in r for r in rl), key
   assert any(r.get("eval/accuracy") is not None for r in rows)
+  # where a run's time goes, on every row: the whole step, and the evaluation where it ran
+  assert all(r["time/step_s"] > 0 for r in rows)
+  assert all(("time/eval_s" in r) == ("eval/accuracy" in r) for r in rows)
+  assert all(r["time/eval_s"] < r["time/step_s"] for r in rows if "time/eval_s" in r)
   quantized = mode != "bf16"
   assert any("mismatch/flip_rate" in r for r in rl) == quantized
   assert (rl[0]["record/bytes_per_token"] > 0) == mode.startswith("trace")

@@ -397,10 +397,16 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
     with StopBetweenSteps() as stop:
       for step in bar:
         phase = "sft" if step < c.sft.steps else "rl"
+        started = time.perf_counter()
         state, metrics = (run.sft_step if phase == "sft" else run.rl_step)(state, step)
         metrics["phase"] = phase
         if (step + 1) % c.eval.every == 0 or step + 1 in (c.sft.steps, total):
+          evaluating = time.perf_counter()
           metrics.update(run.evaluate(state["params"]))
+          metrics["time/eval_s"] = time.perf_counter() - evaluating
+        # the whole step as the run paid for it (its update, rollout and evaluation); the first
+        # of each program includes its compilation
+        metrics["time/step_s"] = time.perf_counter() - started
         if not np.isfinite(metrics["train/loss"]):
           last = ckpt.latest_step()
           raise FloatingPointError(
