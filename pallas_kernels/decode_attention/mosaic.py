@@ -47,13 +47,20 @@ from jax.experimental import pallas as pl
 from pallas_kernels.decode_attention import kernel
 from pallas_kernels.decode_attention.cache import cache_arrays, cache_format, default_splits
 from pallas_kernels.decode_attention.kernel import _MASKED
-from pallas_kernels.fp4_matmul.kernel import e2m1_nibbles_asm
+from pallas_kernels.fp4_matmul.kernel import e2m1_nibbles_asm, fold_scale_bf16
 from pallas_kernels.fp4_matmul.mosaic import _decode_asm, _load, _scale_row
 
 CHUNK = 32  # code bytes (64 head_dim values) a decode and its two instructions take
 BLOCK_S = 64  # slots a step: wgmma's M
 ROWS = 16  # query heads a kv head, padded: wgmma's N
 _N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}  # arrays a cache: values; codes, scales[, globals]
+# `fold` (MXFP4): each block's scale carries the decode's 2^126 (`kernel.fold_scale_bf16`), so a
+# pair of values takes one bf16x2 multiply instead of two, and K and V come out over 2^(FOLD_REF
+# - 127), which the scores' 1/sqrt(head_dim) and the stored O^T multiply back. Every decoded
+# value is a normal bf16, exactly E2M1 x 2^(s - FOLD_REF), for block scales 2^-60 to 2^66 (scale
+# bytes 67 to 193); outside that range the multiplier is 0 (smaller values) or Inf (larger). The
+# products and sums are the unfolded kernel's times a power of two.
+FOLD_REF = 192
 
 
 def _head_words(ref, hi, n):
@@ -106,9 +113,10 @@ _V_LDMATRIX = ("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3},
 # one register of four codes bytes (two slots x two bytes, as ldmatrix.trans gives them) and the
 # two slots' scales (MXFP4: a bf16 pair; NVFP4: two float32) -> the scaled bf16 pairs of the low
 # and of the high nibbles of bytes 0 and 2 (the first byte of each slot) or 1 and 3, one slot a
-# half
-V_PAIR_ASM = {fmt: {sel: e2m1_nibbles_asm(sel, fmt == "nvfp4") for sel in ("0x2404", "0x3414")}
-              for fmt in ("mxfp4", "nvfp4")}
+# half ("mxfp4_folded": the scales folded, `FOLD_REF`)
+V_PAIR_ASM = {fmt: {sel: e2m1_nibbles_asm(sel, fmt == "nvfp4", fmt.endswith("folded"))
+                    for sel in ("0x2404", "0x3414")}
+              for fmt in ("mxfp4", "nvfp4", "mxfp4_folded")}
 
 
 def v_in_registers(fmt: str, head_dim: int) -> bool:
@@ -168,11 +176,11 @@ def _store_rows(ref, rows):
   store(ref, tuple(rows))
 
 
-def _v_operands(codes_ref, scales_ref, head_dim, fmt):
+def _v_operands(codes_ref, scales_ref, head_dim, fmt, fold=False):
   """A block's V^T as wgmma A operands from registers: codes [64 slots, head_dim / 2] and this
   kv head's block scales, [blocks, 64 slots] (bf16 for MXFP4, float32 E4M3 x global for NVFP4,
   what `_scale_row` makes), in shared memory -> head_dim / 64 bf16 tiles [64, 64] in the WGMMA
-  layout (rows in `v_rows` order, columns the slots)."""
+  layout (rows in `v_rows` order, columns the slots). `fold`: MXFP4 scales folded (`FOLD_REF`)."""
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mu
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -200,7 +208,7 @@ def _v_operands(codes_ref, scales_ref, head_dim, fmt):
     quad = arith.shli(arith.andi(lane, c(3)), c(1))  # 2 (t % 4): the thread's first slot
     struct2 = llvm.StructType.get_literal([i32, i32])
     struct4 = llvm.StructType.get_literal([i32] * 4)
-    asm = V_PAIR_ASM[fmt]
+    asm = V_PAIR_ASM["mxfp4_folded" if fold else fmt]
     for pi in range(tiles // 2):
       col = arith.shli(arith.addi(warp, c(4 * pi)), c(4))  # the warp's 16 code bytes
       if nv:  # 16-entry blocks: the thread's 4 entries in the first or second of the warp's two
@@ -239,8 +247,9 @@ def _v_operands(codes_ref, scales_ref, head_dim, fmt):
 
 
 def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
-          max_concurrent_steps):
-  """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline."""
+          max_concurrent_steps, fold=False):
+  """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline. `fold`
+  (MXFP4): the decode's 2^126 folded into the scales (`FOLD_REF`)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   n_cache = _N_CACHE[fmt]
   k_gmem, v_gmem = refs[:n_cache], refs[n_cache:2 * n_cache]
@@ -254,6 +263,10 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
   o_parts, o_width = (head_dim // 64, 64) if v_regs else (parts, width)
   nb = head_dim // (32 if fmt == "mxfp4" else 16)  # scale blocks of a head's row
   chunks = head_dim // 2 // CHUNK
+  if fold and fmt != "mxfp4":
+    raise ValueError(f"fold takes MXFP4 caches, got {fmt}")
+  unfold = 2.0 ** (FOLD_REF - 127) if fold else 1.0  # what the folded values are short of
+  score_scale = head_dim**-0.5 * unfold
 
   def scale_rows(scales_smem, g_smem):
     """This kv head's scale rows (`_scale_row`), one [64] vector a block."""
@@ -261,6 +274,9 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     if g_smem is not None:  # NVFP4's float32 global of each (slot, head), from its four bytes
       [word] = _head_words(g_smem, hi, 4)
       g = jax.lax.bitcast_convert_type(word, jnp.float32)
+    if fold:
+      return [plgpu.layout_cast(fold_scale_bf16(s, FOLD_REF), row_l)
+              for s in _head_bytes(scales_smem, hi, nb)]
     return [plgpu.layout_cast(_scale_row(s.astype(jnp.uint8), fmt, g), row_l)
             for s in _head_bytes(scales_smem, hi, nb)]
 
@@ -270,7 +286,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     rows = scale_rows(scales_smem, cache_smem[2] if fmt == "nvfp4" else None)
     per = nb // chunks  # scale blocks a chunk
     return [_decode_asm([_load(codes_smem.at[:, pl.ds(j * CHUNK, CHUNK)], wgmma)],
-                        rows[j * per:(j + 1) * per], fmt) for j in range(chunks)]
+                        rows[j * per:(j + 1) * per], fmt, folded=fold) for j in range(chunks)]
 
   def step(_, mask_smem, *cache_smem, q_smem, v_bufs, vs_smem, p_smem):
     *cache_smem, carry = cache_smem
@@ -286,7 +302,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
             plgpu.wgmma(acc_ref, nibbles, q_part.at[pl.ds(j * CHUNK, CHUNK)])
       return acc_ref[...]
 
-    s = pl.run_scoped(scores, plgpu.ACC((BLOCK_S, ROWS), jnp.float32)) * head_dim**-0.5
+    s = pl.run_scoped(scores, plgpu.ACC((BLOCK_S, ROWS), jnp.float32)) * score_scale
     valid = _load(mask_smem, row_l) != 0
     valid = plgpu.layout_cast(jax.lax.broadcast_in_dim(valid, s.shape, [0]), wgmma)
     s = jnp.where(valid, s, _MASKED)
@@ -305,7 +321,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
           buf[:, pl.ds(j * CHUNK, CHUNK)] = nibbles
     plgpu.commit_smem()  # (a warpgroup barrier too)
     if v_regs:
-      v_ops = _v_operands(v_smem[0], vs_smem, head_dim, fmt)
+      v_ops = _v_operands(v_smem[0], vs_smem, head_dim, fmt, fold)
     rescale = jax.lax.broadcast_in_dim(alpha, (o_width, ROWS), [1])
 
     def pv(acc_refs):
@@ -363,7 +379,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
                        l_smem=plgpu.SMEM((ROWS,), jnp.float32))
     def _(o_smem, m_smem, l_smem):
       for i, acc in enumerate(o):
-        o_smem[pl.ds(i * o_width, o_width)] = acc
+        o_smem[pl.ds(i * o_width, o_width)] = acc * unfold if fold else acc
       m_smem[...] = m
       l_smem[...] = l
       plgpu.commit_smem()
@@ -380,9 +396,9 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
 
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "splits", "max_concurrent_steps"))
+@functools.partial(jax.jit, static_argnames=("fmt", "splits", "max_concurrent_steps", "fold"))
 def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, splits: int = 1,
-                              max_concurrent_steps: int = 2):
+                              max_concurrent_steps: int = 2, fold: bool = False):
   """Q^T q_t [B, Kv, Dh, 16] bf16 (the query heads of each kv head padded to 16; for the packed
   formats head_dim in [even | odd] order), mask [B, S] int32 (a block's 256 bytes keep every
   pipeline slot aligned for its bulk copy), end [B] int32 (`kernel.valid_end` of the mask:
@@ -391,7 +407,7 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
   NVFP4's globals [B, S, Kv x 4] bytes), the kv heads of a slot side by side ->
   per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order, or in `v_rows` order
   where V^T comes from registers), m and l
-  [splits, B, Kv, 16]."""
+  [splits, B, Kv, 16]. `fold` (MXFP4): the scales carry the decode's 2^126 (`FOLD_REF`)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   _check(fmt)
   b, kv, dh, rows = q_t.shape
@@ -402,7 +418,7 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
                      f"and head_dim a multiple of {2 * CHUNK}")
   steps = s // BLOCK_S // splits
   body = functools.partial(_body, fmt=fmt, head_dim=dh, kv_heads=kv, steps=steps,
-                           max_concurrent_steps=min(max_concurrent_steps, steps))
+                           max_concurrent_steps=min(max_concurrent_steps, steps), fold=fold)
   body.__name__ = "decode_attention_wgmma"
   out_type = (jax.ShapeDtypeStruct((splits, b, kv, dh, rows), jnp.float32),
               jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32),
@@ -459,10 +475,12 @@ def _slot_rows(cache, b, s):
 
 
 def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
-                     splits: int | None = None, max_concurrent_steps: int = 2) -> jax.Array:
+                     splits: int | None = None, max_concurrent_steps: int = 2,
+                     fold: bool = False) -> jax.Array:
   """`api.decode_attention`'s "pallas" path on the wgmma kernel (compiled Hopper only): q
   [B, H, Dh], caches [B, S, Kv, Dh] (bf16, or MXFP4 / NVFP4 `QArray`s along head_dim), mask
-  [B, S] -> [B, H, Dh] bf16. Inputs are checked by the caller (`api`)."""
+  [B, S] -> [B, H, Dh] bf16. Inputs are checked by the caller (`api`). `fold`: MXFP4 caches
+  decoded with the scales folded (`FOLD_REF`; ignored for the other formats)."""
   b, h, dh = q_BxHxDh.shape
   s, kv = k.shape[1], k.shape[2]
   fmt = cache_format(k)
@@ -480,7 +498,8 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
                      "slots")
   o_t, m, l = decode_attention_partials(
       q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, b, s),
-      _slot_rows(v, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps)
+      _slot_rows(v, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps,
+      fold=fold and fmt == "mxfp4")
   # the splits combined along O^T's memory, then its g real rows of 16 transposed
   out_t = kernel.combine(o_t, m, l, dh_axis=-2)[..., :g]  # [B, Kv, Dh, g]
   if v_in_registers(fmt, dh):  # O^T's rows in `v_rows` order

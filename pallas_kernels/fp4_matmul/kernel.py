@@ -93,12 +93,18 @@ def _e2m1_asm(nibble: str, f32_scales: bool, pairs: int = 2) -> str:
           " mov.b32 nz, 0x80008000;\n" + body + "}")
 
 
-def e2m1_nibbles_asm(sel: str = "0x1404", f32_scales: bool = False) -> str:
+def e2m1_nibbles_asm(sel: str = "0x1404", f32_scales: bool = False, folded: bool = False) -> str:
   """Both nibbles of two codes bytes in one asm, the byte permute shared: outputs $0 (the low
   nibbles' bf16 pair) and $1 (the high nibbles'); inputs $2, a word of codes bytes, of which
   `sel` picks two into the halves' high bytes ("0x1404": bytes 0 and 1, the Mosaic matmul's
   pairs; "0x2404" / "0x3414": bytes 0 and 2 / 1 and 3), then the scales (one bf16 pair, the
-  halves' own; or two float32, one a half). The steps of `_PAIR` and the scale's, per nibble."""
+  halves' own; or two float32, one a half). The steps of `_PAIR` and the scale's, per nibble.
+
+  `folded` (bf16 scales only): no multiply by 2^126 of its own; the scale pair it is given
+  already holds it (`fold_scale_bf16`: 2^(s - R + 126), the values come out as E2M1 x 2^(s - R)),
+  so a pair of values costs one bf16x2 multiply, not two."""
+  if folded and f32_scales:
+    raise ValueError("the folded decode takes bf16 (MXFP4) scales")
   per = 2 if f32_scales else 1
   scale = _SCALE_F32 if f32_scales else _SCALE_BF16
   s = tuple(f"${3 + i}" for i in range(per))
@@ -107,6 +113,8 @@ def e2m1_nibbles_asm(sel: str = "0x1404", f32_scales: bool = False) -> str:
     pair = _PAIR.format(codes="$2", sel=sel, sign=sign, shift=shift)
     if out:  # the permuted word is the first nibble's too
       pair = pair.replace(f"  prmt.b32 d, $2, z, {sel};\n", "")
+    if folded:
+      pair = pair.replace("  fma.rn.bf16x2 u, u, bias, nz;\n", "")
     body += pair + scale.format(out=f"${out}", s=s)
   regs = "d, t, u, z, bias, nz" + (", f0, f1" if f32_scales else "")
   return ("{\n .reg .b32 " + regs + ";\n mov.b32 z, 0;\n mov.b32 bias, 0x7E807E80;\n"
@@ -136,6 +144,18 @@ def e2m1_pair_asm(codes_u8, scale):
 def e8m0_bf16(s):
   """E8M0 scale bytes (int32) -> bf16 2^(s - 127): the byte is bf16's exponent field."""
   return jax.lax.bitcast_convert_type((s << 7).astype(jnp.uint16), jnp.bfloat16)
+
+
+def fold_scale_bf16(s, ref: int):
+  """E8M0 scale bytes (integers) -> the folded decode's multiplier (`e2m1_nibbles_asm(folded=
+  True)`), bf16 2^(s - ref + 126): times the decode's E2M1 x 2^-126 it gives E2M1 x 2^(s - ref),
+  the value over 2^(ref - 127), which the caller multiplies back in once, after the matrix
+  instruction. Exact while s <= ref + 1 (the multiplier is a bf16 power of two) and the value
+  stays on bf16's grid (s >= ref - 132: 0.5 x 2^(s - ref) is at least the smallest subnormal);
+  above that range the multiplier is Inf (as the unfolded decode's is for the NaN byte 255),
+  below it the values round to bf16's subnormals."""
+  field = jnp.clip(s.astype(jnp.int32) + (253 - ref), 0, 255)
+  return jax.lax.bitcast_convert_type((field << 7).astype(jnp.uint16), jnp.bfloat16)
 
 
 def e4m3_f32(s):

@@ -47,6 +47,8 @@ from pallas_kernels.fp4_matmul.tiling import default_splits, place_rows, sorted_
 
 # one 16-bit pair of codes bytes -> the bf16 pairs of its low and of its high nibbles, scaled
 E2M1_NIBBLES_ASM = {"mxfp4": e2m1_nibbles_asm(), "nvfp4": e2m1_nibbles_asm(f32_scales=True)}
+# the same for MXFP4 with the 2^126 in the scale (`kernel.fold_scale_bf16`): one multiply a pair
+FOLDED_NIBBLES_ASM = e2m1_nibbles_asm(folded=True)
 TOKEN_GROUP = 32  # tokens (wgmma N) an accumulator: bf16 rows of 64 bytes, K steps of 32
 MAX_M = 256  # tokens a dense call multiplies at once (accumulators: M / 2 registers a thread)
 
@@ -74,7 +76,7 @@ def interleave_column_tiles(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
   return np.stack([lo, hi], axis=2).reshape(lo.shape[0], 2 * lo.shape[1], *lo.shape[2:])
 
 
-def _decode_asm(tiles, rows, fmt, order="pairs"):
+def _decode_asm(tiles, rows, fmt, order="pairs", folded=False):
   """uint8 codes tiles ([64, CHUNK] each, consecutive along K) in the A operand's layout and
   the scale rows of their blocks ([64] each, `_scale_row`) -> the bf16 values of the low and of
   the high nibbles, [64, CHUNK x tiles] each (the tiles side by side), by the PTX of the Triton
@@ -83,13 +85,17 @@ def _decode_asm(tiles, rows, fmt, order="pairs"):
   is fixed by its place in the layout (WGMMA: [64, 8]-column tiles, rows r and r + 8 a thread),
   so no select. Codes in the "halves" order (`layout.ORDERS`) give instead one [64, 2 x CHUNK x
   tiles] tile of the values in K's order: a codes column tile's low-nibble registers are the
-  bf16 column tile 2j's, its high-nibble ones 2j + 1's (nothing moves but register names)."""
+  bf16 column tile 2j's, its high-nibble ones 2j + 1's (nothing moves but register names).
+  `folded` (MXFP4): the rows are `kernel.fold_scale_bf16`'s multipliers and the decode is
+  `FOLDED_NIBBLES_ASM` (the values come out over the fold's 2^(ref - 127))."""
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, llvm
 
+  if folded and fmt != "mxfp4":
+    raise ValueError(f"the folded decode takes MXFP4 codes, got {fmt}")
   wgmma = plgpu.Layout.WGMMA
   out = plgpu.ShapeDtypeStruct((64, CHUNK * len(tiles)), jnp.bfloat16, wgmma)
   both_out = plgpu.ShapeDtypeStruct((64, 2 * CHUNK * len(tiles)), jnp.bfloat16, wgmma)
@@ -108,7 +114,7 @@ def _decode_asm(tiles, rows, fmt, order="pairs"):
       scale_regs = [[arith.ori(arith.extui(i32, r), arith.shli(arith.extui(i32, r),
                                                                mgpu_utils.c(16, i32)))
                      for r in regs] for regs in scale_regs]
-    asm = E2M1_NIBBLES_ASM[fmt]
+    asm = FOLDED_NIBBLES_ASM if folded else E2M1_NIBBLES_ASM[fmt]
     constraints = "=r,=r,r,r" if fmt == "mxfp4" else "=r,=r,r,r,r"
     struct = llvm.StructType.get_literal([i32, i32])
     parts = {"lo": [], "hi": []}

@@ -141,12 +141,14 @@ def test_compiled_kernel_on_gpu(fmt, b, s, block_s, decode, g, dh):
 # The Mosaic (wgmma) kernel: no interpret mode, so on CPU it is lowered for CUDA and its
 # wrapper runs around an emulation; compiled on a Hopper GPU (-m gpu).
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
-def test_mosaic_kernel_lowers_for_cuda(fmt):
+@pytest.mark.parametrize("fmt,fold", [(None, False), (MXFP4, False), (MXFP4, True),
+                                      (NVFP4, False)], ids=lambda v: fmt_id(v) if v is None
+                         or hasattr(v, "name") else ("fold" if v else "unfolded"))
+def test_mosaic_kernel_lowers_for_cuda(fmt, fold):
   """The whole Mosaic lowering (layout inference, wgmma's operand checks) for a CUDA target."""
   args = jax.eval_shape(lambda: inputs(0, 2, 256, 4, 8, 128, fmt))
   f = jax.jit(lambda q, k, v, m: decode_attention(q, k, v, m, implementation="pallas",
-                                                  backend="mosaic", splits=2))
+                                                  backend="mosaic", splits=2, fold=fold))
   assert jax.export.export(f, platforms=["cuda"])(*args).out_avals[0].shape == (2, 32, 128)
 
 
@@ -172,7 +174,8 @@ def _emulated_partials(fmt):
       return x[..., mosaic.v_rows(x.shape[-1])]
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
-  def partials(q_t, mask, end, k_arrays, v_arrays, *, fmt, splits, max_concurrent_steps):
+  def partials(q_t, mask, end, k_arrays, v_arrays, *, fmt, splits, max_concurrent_steps,
+               fold=False):  # (folded, the kernel's partials are the same: module docstring)
     b, kv, dh, rows = q_t.shape
     s = mask.shape[1]
     k, v = cache(k_arrays, b, s, kv), cache(v_arrays, b, s, kv, v=True)
@@ -190,16 +193,17 @@ def _emulated_partials(fmt):
   return partials
 
 
-@pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=fmt_id)
-def test_v_operands_hold_v_transposed_in_v_rows_order(fmt):
+@pytest.mark.parametrize("fmt,fold", [(MXFP4, False), (MXFP4, True), (NVFP4, False)],
+                         ids=["mxfp4", "mxfp4-fold", "nvfp4"])
+def test_v_operands_hold_v_transposed_in_v_rows_order(fmt, fold):
   """The registers `mosaic._v_operands` fills, modelled thread by thread from the PTX's own
   definitions (ldmatrix.trans: of each 8 x 8 matrix of 16-bit words, thread t gets rows
   2 (t % 4) and 2 (t % 4) + 1 of column t // 4; the decode's asm emulated) and from the scale
   rows it reads ([block, slot]), are V^T: tile m's (row, slot) element, where the WGMMA layout
   puts it, is the engine's dequantized V (XLA's, in bf16) at that slot and at head_dim entry
-  `v_rows`[64 m + row]."""
+  `v_rows`[64 m + row]; folded (`mosaic.FOLD_REF`), that value over 2^(FOLD_REF - 127)."""
   from pallas_kernels.decode_attention import mosaic
-  from pallas_kernels.fp4_matmul.kernel import block_scale
+  from pallas_kernels.fp4_matmul.kernel import block_scale, fold_scale_bf16
   from tests.pallas_kernels import ptx_emu
   dh, slots, nv = 128, mosaic.BLOCK_S, fmt is NVFP4
   x = jax.random.normal(jax.random.PRNGKey(0), (slots, dh)) * jnp.exp(
@@ -209,7 +213,11 @@ def test_v_operands_hold_v_transposed_in_v_rows_order(fmt):
   codes = np.asarray(packed.codes)
   g = packed.global_scale if nv else None
   # the scale rows the kernel keeps in shared memory: bf16 pairs (MXFP4), float32 (NVFP4)
-  rows = np.asarray(block_scale(packed.scales, fmt.name, g)).T  # [blocks, slots]
+  rows = np.asarray(fold_scale_bf16(packed.scales, mosaic.FOLD_REF) if fold
+                    else block_scale(packed.scales, fmt.name, g)).T  # [blocks, slots]
+  if fold:
+    want = want * 2.0 ** (127 - mosaic.FOLD_REF)
+  asm = mosaic.V_PAIR_ASM["mxfp4_folded" if fold else fmt.name]
   bits = rows.view(np.uint16 if not nv else np.uint32).astype(np.int64)
   tiles = np.full((dh // 64, 64, slots), np.nan)
   for w in range(4):
@@ -225,7 +233,7 @@ def test_v_operands_hold_v_transposed_in_v_rows_order(fmt):
             scale = ([int(bits[block, r0]), int(bits[block, r0 + 1])] if nv
                      else [int(bits[block, r0]) | int(bits[block, r0 + 1]) << 16])
             for half, sel in enumerate(("0x2404", "0x3414")):
-              regs = ptx_emu.run(mosaic.V_PAIR_ASM[fmt.name][sel], 2, [word, *scale])
+              regs = ptx_emu.run(asm[sel], 2, [word, *scale])
               for h, reg in enumerate(regs):
                 row, slot = 16 * w + lane // 4 + 8 * h, 8 * (4 * k + q) + 2 * (lane % 4)
                 for e in range(2):  # the register's low half: the lower column
@@ -305,22 +313,28 @@ def test_mosaic_backend_names_what_is_wrong():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("fmt,fold", [(None, False), (MXFP4, False), (MXFP4, True),
+                                      (NVFP4, False)], ids=lambda v: fmt_id(v) if v is None
+                         or hasattr(v, "name") else ("fold" if v else "unfolded"))
 @pytest.mark.parametrize("b,s,g,dh,splits", [
     (1, 512, 8, 128, None), (16, 2048, 8, 128, None), (5, 4096, 8, 128, 4),
     (3, 1024, 16, 128, None), (2, 1024, 1, 128, 2)])
-def test_mosaic_kernel_on_gpu(fmt, b, s, g, dh, splits):
-  """Compiled on a Hopper GPU: 4 kv heads, ragged left-padded masks, fresh inputs a shape."""
+def test_mosaic_kernel_on_gpu(fmt, fold, b, s, g, dh, splits):
+  """Compiled on a Hopper GPU: 4 kv heads, ragged left-padded masks, fresh inputs a shape; MXFP4
+  with its scales folded too, which gives the unfolded kernel's outputs."""
   from pallas_kernels.fp4_matmul import mosaic as mosaic_matmul
   if not mosaic_matmul.available():
     pytest.fail("the Mosaic kernel's GPU test needs a Hopper GPU")
   q, k, v, mask = inputs(b * s + g, b, s, 4, g, dh, fmt,
                          lengths=[s - 37 * i for i in range(b)])
   got = decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic",
-                         splits=splits)
+                         splits=splits, fold=fold)
   want = decode_attention(q, k, v, mask)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 4e-3
+  if fold:  # the products and sums of the unfolded kernel, times powers of two
+    np.testing.assert_array_equal(got, decode_attention(
+        q, k, v, mask, implementation="pallas", backend="mosaic", splits=splits))
 
 
 @pytest.mark.gpu

@@ -129,6 +129,35 @@ def test_nibbles_asm_is_the_triton_decode_of_two_bytes():
         assert ptx_emu.run(kernel.e2m1_nibbles_asm(sel), 2, [q, bf[0] | bf[1] << 16]) == want
 
 
+def test_folded_nibbles_asm_gives_each_code_over_the_fold_reference():
+  """`FOLDED_NIBBLES_ASM` (emulated) with `fold_scale_bf16`'s multiplier, for every scale byte
+  and every code in both nibbles of both bytes: E2M1 x 2^(s - ref), bit for bit, for s in
+  [ref - 132, ref + 1], and there the bits the unfolded decode gives at scale 2^(s - ref); below
+  that the values round to bf16's subnormals, above it they are Inf (NaN for the zero codes)."""
+  ref = 192
+  values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6] * 2) * np.repeat([1, -1], 8)
+  words = [(c | (c + 1) % 16 << 4) | ((c + 5) % 16 | (c + 9) % 16 << 4) << 8 for c in range(16)]
+  with np.errstate(over="ignore", invalid="ignore"):
+    for s in range(256):
+      mult = int(np.asarray(kernel.fold_scale_bf16(np.int32(s), ref)).view(np.uint16))
+      unfolded = s - ref + 127  # the E8M0 byte of the same power of two, where there is one
+      for word in words:
+        lo, hi = ptx_emu.run(mosaic.FOLDED_NIBBLES_ASM, 2, [word, mult | mult << 16])
+        got = [ptx_emu.bf16_bits_to_f32(r >> 16 * e & 0xFFFF) for r in (lo, hi) for e in (0, 1)]
+        codes = [word & 15, word >> 8 & 15, word >> 4 & 15, word >> 12 & 15]
+        exact = [values[c] * 2.0 ** (s - ref) for c in codes]
+        if s > ref + 1:
+          assert all(np.isinf(g) or np.isnan(g) for g in got), s
+          continue
+        if s >= ref - 132:
+          assert got == [np.float32(w) for w in exact], (s, word)
+        else:  # rounded to the subnormals' last place, 2^-133
+          assert all(abs(float(g) - w) <= 2.0**-134 for g, w in zip(got, exact)), (s, word)
+        if unfolded >= 1:  # (byte 0 the unfolded decode reads as 0)
+          bits = (unfolded << 7) | (unfolded << 7) << 16
+          assert [lo, hi] == ptx_emu.run(mosaic.E2M1_NIBBLES_ASM["mxfp4"], 2, [word, bits]), s
+
+
 def _wgmma_elements(shape):
   """{(thread, register index): [(row, column) of each element of the register's vector]} of a
   [64, C] array in Mosaic's WGMMA layout, computed from the layout's own tiling (jax's
