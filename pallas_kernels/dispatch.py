@@ -61,7 +61,9 @@ KERNELS = ("xla", "pallas", "tokamax")
 FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
 # the projections of one input the kernels' weight sync packs as one weight (`KernelOps.fuse`)
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
-ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
+# the decode attention's, under "pallas"; "mosaic_fold": the Mosaic kernel with MXFP4 scales
+# folded (`mosaic_attention.FOLD_REF`: one multiply a decoded pair; not yet timed on a GPU)
+ATTENTION_KERNELS = ("auto", "triton", "mosaic", "mosaic_fold")
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
 # besides NVFP4 ones whose V it takes from registers (`mosaic_attention.v_in_registers`)
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
@@ -207,9 +209,10 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
   """One query per sequence against the whole cache by the kernel, or None where no kernel
   takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit).
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
-  sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots; elsewhere the Triton one runs. "auto"
-  is "mosaic" for the formats of MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the
-  Mosaic kernel takes from registers, else "triton"."""
+  sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots; elsewhere the Triton one runs;
+  "mosaic_fold" the same with MXFP4 caches' scales folded (the same outputs). "auto" is
+  "mosaic" for the formats of MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the Mosaic
+  kernel takes from registers, else "triton"."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
     return None
   fmt = cache_format(k)
@@ -218,11 +221,12 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
     faster = fmt in MOSAIC_ATTENTION_FORMATS or (
         fmt == "nvfp4" and mosaic_attention.v_in_registers(fmt, head_dim))
     backend = "mosaic" if faster else "triton"
-  if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
+  if backend.startswith("mosaic") and _mosaic_attention_runs() and mosaic_attention.supports(
       kv, head_dim, q_BxHxDh.shape[1] // kv, fmt, slots):
     blocks = slots // mosaic_attention.BLOCK_S
     return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", backend="mosaic",
-                            splits=_mosaic_splits(b * kv, blocks, mosaic_attention.BLOCK_S))
+                            splits=_mosaic_splits(b * kv, blocks, mosaic_attention.BLOCK_S),
+                            fold=backend == "mosaic_fold")
   block_s = _divisor(slots, (64, 32, 16))
   if block_s is None or not supports_attention(slots, head_dim, block_s):
     return None

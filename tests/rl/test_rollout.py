@@ -347,7 +347,7 @@ def test_pallas_attention_over_a_cache_it_has_not_filled():
   np.testing.assert_allclose(got, want, atol=0.03)
 
 
-def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials):
+def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials, attention="mosaic"):
   """Greedy rollouts of a policy with sizes the Mosaic kernel takes for every cache format (head_dim
   a multiple of 64; a slot's FP4 scales of all kv heads 16 bytes or more) on the Mosaic attention,
   in splits of 64 slots, its partials computed by `partials`.
@@ -356,7 +356,8 @@ def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials):
   FP4: the training path, guided by the rollout's records and routes, rounds every quantized
   value to the rollout's code (no flips at any site, the attention's output among them) and
   gives the rollout's log-probabilities within 1e-4 (on the emulation, MXFP4 and NVFP4: 2.4e-7;
-  plain rounding flips 12-14% of the codes there)."""
+  plain rounding flips 12-14% of the codes there). `attention` "mosaic_fold": the same, and
+  the unfolded kernel's tokens and log-probabilities, bit for bit."""
   from pallas_kernels.decode_attention import mosaic as mosaic_attention
   from pallas_kernels import dispatch as K
   splits = []
@@ -374,13 +375,15 @@ def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials):
   weights = pack_weights(cfg, params, recipe, ops=K.make_ops("pallas"))
   tokens, lengths = pad_prompts(PROMPTS)
   sampling = SamplingConfig(max_new_tokens=60, temperature=0.0)  # 66 fed: a 128-slot cache
-  kernels = ("mosaic", "triton") if precision == "bf16" else ("mosaic",)
+  kernels = ("mosaic", "triton") if precision == "bf16" else ("mosaic", attention)
   out = {a: RolloutEngine(cfg, recipe, sampling, attn_chunk=64, kernels="pallas", records="all",
                           collect_codes=True, attention_kernel=a).generate(
                               weights, tokens, lengths, jax.random.PRNGKey(7))
-         for a in kernels}
+         for a in set(kernels)}
   assert splits and set(splits) == {2}  # two splits of 64 slots, one trace a layer
-  b = out["mosaic"]
+  b = out[attention]
+  for got, want in ((b.tokens, out["mosaic"].tokens), (b.logp, out["mosaic"].logp)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   if precision == "bf16":
     first = 7 + 16
     np.testing.assert_array_equal(np.asarray(b.tokens)[:, :first],
@@ -410,16 +413,17 @@ def test_mosaic_attention_in_the_engine(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "mxfp4", "nvfp4"])
-def test_compiled_mosaic_attention_in_the_engine(precision, monkeypatch):
+@pytest.mark.parametrize("precision,attention", [("bf16", "mosaic"), ("mxfp4", "mosaic"),
+                                                ("nvfp4", "mosaic"), ("mxfp4", "mosaic_fold")])
+def test_compiled_mosaic_attention_in_the_engine(precision, attention, monkeypatch):
   """On a Hopper GPU, compiled: the engine on the Mosaic attention kernel, checked as the
-  emulation is above."""
+  emulation is above; with MXFP4's scales folded too."""
   from pallas_kernels.decode_attention import mosaic as mosaic_attention
   from pallas_kernels import dispatch as K
   if not K._mosaic_attention_runs():
     pytest.fail("the Mosaic attention's GPU test needs a Hopper GPU")
   _assert_mosaic_rollouts_are_right(precision, monkeypatch,
-                                    mosaic_attention.decode_attention_partials)
+                                    mosaic_attention.decode_attention_partials, attention)
 
 
 def test_mosaic_attention_splits():
@@ -453,6 +457,20 @@ def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precisio
   q, k, v, mask = inputs(0, 2, 128, kv, 2, head_dim, fmt)
   K._attention(q, k, v, mask)
   assert called == [backend]
+
+
+@pytest.mark.parametrize("backend,fold", [("mosaic", False), ("mosaic_fold", True)])
+def test_mosaic_fold_attention_asks_the_kernel_for_folded_scales(backend, fold, monkeypatch):
+  """attention_kernel "mosaic_fold": the Mosaic kernel, told to fold MXFP4's scales."""
+  from tests.pallas_kernels.test_decode_attention import inputs
+  from pallas_kernels import dispatch as K
+  from trace_jax.quant import MXFP4
+  called = []
+  monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: True)
+  monkeypatch.setattr(K, "decode_attention", lambda *a, **kw: called.append(
+      (kw.get("backend"), kw.get("fold"))))
+  K.make_ops("pallas", attention_kernel=backend).attention(*inputs(0, 2, 128, 4, 2, 128, MXFP4))
+  assert called == [("mosaic", fold)]
 
 
 @pytest.mark.parametrize("precision,order", [("mxfp4", "pairs"), ("nvfp4", "pairs"),

@@ -127,7 +127,8 @@ class RolloutEngine:
   Mosaic FP4 matmuls take weights packed for them (`pack_weights(..., ops=engine.ops)`),
   plainly packed ones run the Triton kernels. `attention_kernel`: the decode attention's
   backend under "pallas": "auto" (the Mosaic kernel for MXFP4 caches on Hopper, the Triton
-  one otherwise, as measured), "triton" or "mosaic" (on Hopper; Triton elsewhere).
+  one otherwise, as measured), "triton", "mosaic" or "mosaic_fold" (on Hopper; Triton
+  elsewhere; "mosaic_fold": MXFP4's scales folded, `pallas_kernels.dispatch._attention`).
   `scan_decode`: the decode step (and `extend`) as one
   `lax.scan` per run of layers over a cache stacked per run (compiled once whatever the depth;
   its weights best stacked too: `pack_weights(..., stacked=True)`), or layer by layer over a
