@@ -19,7 +19,8 @@ weights tiled in the "pairs" nibble order, whose Mosaic matmuls take x's even an
 transposed, where the engine's default "halves" order takes x as it is (`+halves` names the
 default explicitly): `make_ops(fp4_order=...)`; `+apart` on a pallas variant the weights packed
 each on its own, where the weight sync packs q, k and v as one, and gate and up as one
-(`make_ops(fuse=False)`)) and
+(`make_ops(fuse=False)`); `+fold` on an MXFP4 pallas variant the Mosaic kernels' decode with
+the scales folded, `engine.fold_scales`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -51,6 +52,7 @@ import os
 import re
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,14 +74,24 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "bf16:tokamax", "mxfp4:xla", "mxfp4:palla
 
 
 ORDER_SUFFIXES = ("+pairs", "+halves")
-SUFFIXES = ("+scan", "+w4a4", "+apart", *ORDER_SUFFIXES)
+SUFFIXES = ("+scan", "+w4a4", "+apart", "+fold", *ORDER_SUFFIXES)
 
 
-def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str, bool]:
-  """A variant, "precision:kernels[:attention][+scan][+w4a4][+apart][+pairs|+halves]" ->
-  (precision, kernels, attention backend, whether the decode step scans its layers, whether
-  MXFP4 matmuls run the W4A4 kernels, the FP4 weights' nibble order for the Mosaic matmuls,
-  whether the weight sync packs the projections of one input as one weight)."""
+class Variant(NamedTuple):
+  """What a variant name asks for (`parse_variant`)."""
+  precision: str
+  kernels: str
+  attention: str  # the decode attention's backend
+  scan: bool  # the decode step scans its layers
+  w4a4: bool  # MXFP4 matmuls on the W4A4 kernels
+  order: str  # the FP4 weights' nibble order for the Mosaic matmuls
+  fuse: bool  # the weight sync packs the projections of one input as one weight
+  fold: bool = False  # the Mosaic kernels decode MXFP4 with the scales folded
+
+
+def parse_variant(v: str) -> Variant:
+  """A variant, "precision:kernels[:attention][+scan][+w4a4][+apart][+fold][+pairs|+halves]"
+  -> `Variant`."""
   name, flags = v, set()
   while name.endswith(SUFFIXES):
     suffix = next(x for x in SUFFIXES if name.endswith(x))
@@ -90,17 +102,19 @@ def parse_variant(v: str) -> tuple[str, str, str, bool, bool, str, bool]:
       len(parts) == 3 and parts[1] in ("xla", "tokamax")) or (
           flags & {"+w4a4", "+apart", *ORDER_SUFFIXES} and parts[1] != "pallas") or (
           flags & set(ORDER_SUFFIXES) and (parts[0] == "bf16" or "+w4a4" in flags)) or (
-          set(ORDER_SUFFIXES) <= flags):
+          set(ORDER_SUFFIXES) <= flags) or (
+          "+fold" in flags and (base != "mxfp4:pallas" or "+w4a4" in flags)):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
                      "a pallas one with +w4a4 (the W4A4 matmuls), +apart (each projection "
-                     "packed apart) or, FP4 without +w4a4, "
+                     "packed apart), mxfp4:pallas without +w4a4 with +fold (the scales folded) "
+                     "or, FP4 without +w4a4, "
                      "one of +pairs or +halves (the FP4 weights' nibble order; default "
                      f"{FP4_ORDER})")
   order = next((o[1:] for o in ORDER_SUFFIXES if o in flags), FP4_ORDER)
-  return (parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags, order,
-          "+apart" not in flags)
+  return Variant(parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags, order,
+                 "+apart" not in flags, "+fold" in flags)
 
 
 def random_cache(shapes: list, key) -> list:
@@ -412,12 +426,12 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
-    precision, kernels, attention, scan, w4a4, order, fuse = parse_variant(variant)
+    precision, kernels, attention, scan, w4a4, order, fuse, fold = parse_variant(variant)
     # "triton": FP4 weights packed plainly; "tokamax" (bf16) lays nothing out
     layout = "pallas" if kernels == "pallas" else "xla"
     kernels = "pallas" if kernels == "triton" else kernels
     recipe = QuantRecipe.uniform(precision)
-    ops = make_ops(layout, w4a4=w4a4, fp4_order=order, fuse=fuse)
+    ops = make_ops(layout, w4a4=w4a4, fp4_order=order, fuse=fuse)  # (fold: the engine's)
     layout += (("+w4a4" if w4a4 else "") + ("" if order == FP4_ORDER else f"+{order}")
                + ("" if fuse else "+apart"))
     if (precision, layout, scan) not in packed:  # one packing alive at a time
@@ -432,7 +446,7 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
                           f"s_{layers}_layers": per_layer * layers}), flush=True)
     weights = packed[precision, layout, scan]
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention,
-                           scan_decode=scan, w4a4=w4a4)
+                           scan_decode=scan, w4a4=w4a4, fold_scales=fold)
     for b in batches:
       largest, compiled = b == "max", {}
       memory, stage = {}, "compiling the loop"

@@ -61,9 +61,7 @@ KERNELS = ("xla", "pallas", "tokamax")
 FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
 # the projections of one input the kernels' weight sync packs as one weight (`KernelOps.fuse`)
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
-# the decode attention's, under "pallas"; "mosaic_fold": the Mosaic kernel with MXFP4 scales
-# folded (`mosaic_attention.FOLD_REF`: one multiply a decoded pair; not yet timed on a GPU)
-ATTENTION_KERNELS = ("auto", "triton", "mosaic", "mosaic_fold")
+ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
 # besides NVFP4 ones whose V it takes from registers (`mosaic_attention.v_in_registers`)
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
@@ -71,7 +69,8 @@ _FP4_CACHES = ("mxfp4", "nvfp4")
 
 
 def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16,
-             w4a4: bool = False, fp4_order: str = FP4_ORDER, fuse: bool = True):
+             w4a4: bool = False, fp4_order: str = FP4_ORDER, fuse: bool = True,
+             fold_scales: bool = False):
   """The rollout path's ops for `kernels` ("xla" | "pallas" | "tokamax": `TokamaxOps`, a bf16
   baseline on that package's kernels) and, under "pallas", the decode attention's backend
   ("auto" | "triton" | "mosaic"); act_dtype: the model's activations (the kernels take bf16).
@@ -79,7 +78,9 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   kernels (`KernelOps`). `fp4_order`: the nibble order the weight sync tiles FP4 weights in for
   the Mosaic matmuls (`layout.ORDERS`: "halves", the default, takes x as it is; "pairs" its even
   and odd K columns transposed). `fuse`: the weight sync packs the projections of one input
-  as one weight (`KernelOps.fuse`), or with False each apart."""
+  as one weight (`KernelOps.fuse`), or with False each apart. `fold_scales`: the Mosaic
+  kernels decode MXFP4 weights and caches with each block's scale folded into one multiply a
+  pair of values (the same outputs; not yet timed on a GPU)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if fp4_order not in FP4_ORDERS:
@@ -87,8 +88,9 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   if attention_kernel not in ATTENTION_KERNELS:
     raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
                      f"{attention_kernel!r}")
-  if kernels != "pallas" and w4a4:
-    raise ValueError("w4a4 runs the Pallas kernels: it needs kernels='pallas'")
+  if kernels != "pallas" and (w4a4 or fold_scales):
+    raise ValueError(f"{'w4a4' if w4a4 else 'fold_scales'} runs the Pallas kernels: it needs "
+                     "kernels='pallas'")
   if kernels == "xla":
     return XLA
   if kernels == "tokamax":
@@ -99,7 +101,7 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   if w4a4 and jax.default_backend() == "gpu" and not mosaic.available():
     raise ValueError("w4a4 needs Hopper's FP8 wgmma (the Mosaic GPU kernels); this GPU has none")
   return KernelOps(attention_kernel, w4a4=w4a4, fp4_order=fp4_order,
-                   fuse=FUSED if fuse else ())
+                   fuse=FUSED if fuse else (), fold_scales=fold_scales)
 
 
 def _interpret() -> bool:
@@ -153,25 +155,33 @@ def _weight_layout(w, order: str = FP4_ORDER):
 BF16_XLA_FROM = 64
 
 
-def _linear(x: jax.Array, w) -> jax.Array | None:
+def _folds(w, fold: bool) -> dict:
+  """The FP4 matmuls' `fold` argument for w (MXFP4 weights in the Mosaic layout), else none."""
+  return {"fold": True} if fold and isinstance(w, TiledFP4) else {}
+
+
+def _linear(x: jax.Array, w, fold: bool = False) -> jax.Array | None:
   """x [..., K] @ w [K, N] by a kernel, or None where no kernel takes w (or, for bf16 weights
-  from BF16_XLA_FROM tokens on, where XLA's dot is the faster one)."""
+  from BF16_XLA_FROM tokens on, where XLA's dot is the faster one). `fold`: MXFP4's scales
+  folded in the Mosaic kernel (the same outputs)."""
   tiles = _tiles(w)
   if tiles is None or isinstance(w, jax.Array) and x.size // x.shape[-1] >= BF16_XLA_FROM:
     return None
   matmul = bf16_matmul if isinstance(w, jax.Array) else fp4_matmul
-  return matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles)
+  return matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles,
+                **_folds(w, fold))
 
 
-def _experts(x_RxD: jax.Array, w, rows) -> jax.Array | None:
+def _experts(x_RxD: jax.Array, w, rows, fold: bool = False) -> jax.Array | None:
   """x's rows through their experts' w [E, K, N] (`rows`: the model's `ExpertRows`, whose
-  gathers the kernel's wrapper composes with its own) by a kernel, or None."""
+  gathers the kernel's wrapper composes with its own) by a kernel, or None. `fold` as in
+  `_linear`."""
   tiles = _tiles(w)
   if tiles is None:
     return None
   matmul = grouped_bf16_matmul if isinstance(w, jax.Array) else grouped_fp4_matmul
   return matmul(x_RxD, w, rows.group_sizes, rows.src, rows.back, rows.slots,
-                implementation="pallas", interpret=_interpret(), **tiles)
+                implementation="pallas", interpret=_interpret(), **tiles, **_folds(w, fold))
 
 
 def _quantize(x: jax.Array, fmt: Format, values: bool = False, rms_norm=None):
@@ -205,14 +215,14 @@ def _mosaic_attention_runs() -> bool:
 
 
 def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
-               backend: str = "auto") -> jax.Array | None:
+               backend: str = "auto", fold: bool = False) -> jax.Array | None:
   """One query per sequence against the whole cache by the kernel, or None where no kernel
   takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit).
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
-  sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots; elsewhere the Triton one runs;
-  "mosaic_fold" the same with MXFP4 caches' scales folded (the same outputs). "auto" is
-  "mosaic" for the formats of MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the Mosaic
-  kernel takes from registers, else "triton"."""
+  sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots (`fold`: MXFP4's scales folded, the
+  same outputs); elsewhere the Triton one runs. "auto" is "mosaic" for the formats of
+  MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the Mosaic kernel takes from
+  registers, else "triton"."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
     return None
   fmt = cache_format(k)
@@ -221,12 +231,12 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
     faster = fmt in MOSAIC_ATTENTION_FORMATS or (
         fmt == "nvfp4" and mosaic_attention.v_in_registers(fmt, head_dim))
     backend = "mosaic" if faster else "triton"
-  if backend.startswith("mosaic") and _mosaic_attention_runs() and mosaic_attention.supports(
+  if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
       kv, head_dim, q_BxHxDh.shape[1] // kv, fmt, slots):
     blocks = slots // mosaic_attention.BLOCK_S
     return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", backend="mosaic",
                             splits=_mosaic_splits(b * kv, blocks, mosaic_attention.BLOCK_S),
-                            fold=backend == "mosaic_fold")
+                            fold=fold)
   block_s = _divisor(slots, (64, 32, 16))
   if block_s is None or not supports_attention(slots, head_dim, block_s):
     return None
@@ -284,6 +294,11 @@ class KernelOps(XlaOps):
   (`w4a4.fold_misses`: such a call takes the kernel's exact branch), the engine's
   "w4a4_fold_misses".
 
+  `fold_scales`: the Mosaic matmuls and attention decode MXFP4 with each block's scale folded
+  with the decode's 2^126 (one bf16x2 multiply a pair of values, not two) against a reference
+  (the weight's `layout.fold_reference`, the attention's `FOLD_REF`) that they multiply back
+  once; the same outputs (BENCHMARKS.md, "Where the MXFP4 attention waits").
+
   `fp4_order`: the nibble order of the FP4 weights it tiles for the Mosaic matmuls
   (`layout.ORDERS`); the kernels read each weight's own, so weights tiled either way run.
 
@@ -296,9 +311,11 @@ class KernelOps(XlaOps):
   name = "pallas"
 
   def __init__(self, attention_kernel: str = "auto", w4a4: bool = False,
-               fp4_order: str = FP4_ORDER, fuse: tuple[tuple[str, ...], ...] = FUSED):
+               fp4_order: str = FP4_ORDER, fuse: tuple[tuple[str, ...], ...] = FUSED,
+               fold_scales: bool = False):
     self.attention_kernel = attention_kernel
     self.w4a4 = w4a4
+    self.fold_scales = fold_scales
     self.fp4_order = fp4_order
     self.fuse = tuple(tuple(group) for group in fuse)
 
@@ -315,12 +332,12 @@ class KernelOps(XlaOps):
   def linear(self, x, w, xq=None):
     if isinstance(w, w4a4_layout.TiledW4):
       return _w4a4_linear(x, w, xq)
-    return _linear(x, w)
+    return _linear(x, w, self.fold_scales)
 
   def experts(self, x_RxD, w, rows, xq=None):
     if isinstance(w, w4a4_layout.TiledW4):
       return _w4a4_experts(x_RxD, w, rows, xq)
-    return _experts(x_RxD, w, rows)
+    return _experts(x_RxD, w, rows, self.fold_scales)
 
   def activation_stats(self, xq) -> dict:
     if not (self.w4a4 and _takes_w4a4(xq)):
@@ -328,7 +345,8 @@ class KernelOps(XlaOps):
     return {"w4a4_fold_misses": w4a4.fold_misses(_rows(xq))}
 
   def attention(self, q_BxHxDh, k, v, mask_BxS):
-    return _attention(q_BxHxDh, k, v, mask_BxS, backend=self.attention_kernel)
+    return _attention(q_BxHxDh, k, v, mask_BxS, backend=self.attention_kernel,
+                      fold=self.fold_scales)
 
   def quantize(self, x, fmt, values: bool = False, rms_norm=None):
     return _quantize(x, fmt, values, rms_norm)

@@ -11,23 +11,30 @@ from experiments import bench_rollout
 def test_bench_rollout_variant_names():
   parse = bench_rollout.parse_variant
   h = "halves"  # the engine's default nibble order
-  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, h, True)
-  assert parse("nvfp4:triton:mosaic") == ("nvfp4", "triton", "mosaic", False, False, h, True)
-  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, h, True)
-  assert parse("mxfp4:pallas:mosaic+scan") == ("mxfp4", "pallas", "mosaic", True, False, h, True)
-  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True, h, True)
+  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, h, True, False)
+  assert parse("nvfp4:triton:mosaic") == (
+      "nvfp4", "triton", "mosaic", False, False, h, True, False)
+  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, h, True, False)
+  assert parse("mxfp4:pallas:mosaic+scan") == (
+      "mxfp4", "pallas", "mosaic", True, False, h, True, False)
+  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True, h, True, False)
   assert parse("mxfp4:pallas+w4a4+scan") == parse("mxfp4:pallas+scan+w4a4") == (
-      "mxfp4", "pallas", "auto", True, True, h, True)
-  assert parse("nvfp4:pallas+pairs") == ("nvfp4", "pallas", "auto", False, False, "pairs", True)
-  assert parse("mxfp4:pallas+pairs+scan") == ("mxfp4", "pallas", "auto", True, False, "pairs", True)
+      "mxfp4", "pallas", "auto", True, True, h, True, False)
+  assert parse("nvfp4:pallas+pairs") == (
+      "nvfp4", "pallas", "auto", False, False, "pairs", True, False)
+  assert parse("mxfp4:pallas+pairs+scan") == (
+      "mxfp4", "pallas", "auto", True, False, "pairs", True, False)
   assert parse("mxfp4:pallas+halves") == parse("mxfp4:pallas")
-  assert parse("mxfp4:pallas+apart") == ("mxfp4", "pallas", "auto", False, False, h, False)
-  assert parse("bf16:pallas+apart+scan")[3:] == (True, False, h, False)
+  assert parse("mxfp4:pallas+apart") == ("mxfp4", "pallas", "auto", False, False, h, False, False)
+  assert parse("bf16:pallas+apart+scan")[3:] == (True, False, h, False, False)
+  assert parse("mxfp4:pallas+fold").fold and not parse("mxfp4:pallas").fold
+  assert parse("mxfp4:pallas:mosaic+fold+scan")[2:] == ("mosaic", True, False, h, True, True)
   for bad in ("mxfp4:xla:mosaic", "mxfp4:pallas:flash", "fp8:pallas", "mxfp4:pallas:mosaic:x",
               "mxfp4", "mxfp4:pallas+scanned", "+scan", "mxfp4:xla+w4a4", "mxfp4:triton+w4a4",
               "mxfp4:xla+pairs", "mxfp4:triton+pairs", "bf16:pallas+pairs",
               "bf16:pallas+halves", "mxfp4:pallas+w4a4+pairs", "mxfp4:pallas+pairs+halves",
-              "mxfp4:xla+apart", "bf16:tokamax+apart"):
+              "mxfp4:xla+apart", "bf16:tokamax+apart", "nvfp4:pallas+fold", "bf16:pallas+fold",
+              "mxfp4:triton+fold", "mxfp4:pallas+w4a4+fold"):
     with pytest.raises(ValueError, match=re.escape(f"unknown variant '{bad}'")):
       parse(bad)
 

@@ -173,6 +173,8 @@ def test_bad_config_fails_before_any_work(data_dir, tmp_path):
                             ("engine.attention_kernel=flash",
                              r"engine.attention_kernel='flash'.*'mosaic'"),
                             ("engine.w4a4=true", r"engine.w4a4.*needs engine.kernels=pallas"),
+                            ("engine.fold_scales=true",
+                             r"engine.fold_scales.*needs engine.kernels=pallas"),
                             ("rl.trace_layers=last:7", r"rl.trace_layers='last:7'"),
                             ("rl.group_size=1", "rl.group_size must be >= 2"),
                             ("rl.minibatches=3", "does not split into rl.minibatches=3"),

@@ -275,7 +275,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
       [word] = _head_words(g_smem, hi, 4)
       g = jax.lax.bitcast_convert_type(word, jnp.float32)
     if fold:
-      return [plgpu.layout_cast(fold_scale_bf16(s, FOLD_REF), row_l)
+      return [plgpu.layout_cast(fold_scale_bf16(s, unfold), row_l)
               for s in _head_bytes(scales_smem, hi, nb)]
     return [plgpu.layout_cast(_scale_row(s.astype(jnp.uint8), fmt, g), row_l)
             for s in _head_bytes(scales_smem, hi, nb)]

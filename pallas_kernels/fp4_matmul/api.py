@@ -55,7 +55,7 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "
                block_m: int = 16, block_n: int = 64, splits: int | None = None, rows: int = 32,
                num_warps: int = 4, num_stages: int = 4, decode: str | None = None,
                variant: str | None = None, interpret: bool = False,
-               poison: bool = False) -> jax.Array:
+               poison: bool = False, fold: bool = False) -> jax.Array:
   """x [..., K] @ W [K, N] (MXFP4 or per-tensor NVFP4, packed along K) -> [..., N] bf16.
 
   `w` is either [K, N] quantized along axis 0, or its K-major transpose [N, K] quantized along
@@ -68,10 +68,12 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "
   `decode` picks how the kernel unpacks FP4: "asm" (PTX, compiled GPU kernels; the default
   there) or "bits" (jnp integer operations; the default in interpret mode). `variant`: "dot"
   (matrix instructions over block_m-row tiles) or "gemv" (float32 multiply-adds, M <= 8; the
-  default for M <= GEMV_MAX_ROWS)."""
+  default for M <= GEMV_MAX_ROWS). `fold`: the Mosaic kernel decodes an MXFP4 weight with its
+  scales folded (`mosaic._body`: one multiply a pair of values; the same outputs); the other
+  paths compute as they do."""
   _check_impl(implementation)
   if _wgmma(w, implementation, interpret):
-    return mosaic.fp4_matmul(x, w, splits=splits)
+    return mosaic.fp4_matmul(x, w, splits=splits, fold=fold and w.kernel_fmt == "mxfp4")
   w = untile(w) if isinstance(w, TiledFP4) else w
   reference.check_weight(w)
   k, n = w.shape[::-1] if w.axis == -1 else w.shape
@@ -161,7 +163,7 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
                        implementation: str = "xla", block_m: int = 16, block_n: int = 64,
                        splits: int | None = None, rows: int = 32, num_warps: int = 4,
                        num_stages: int = 4, decode: str | None = None, interpret: bool = False,
-                       poison: bool = False) -> jax.Array:
+                       poison: bool = False, fold: bool = False) -> jax.Array:
   """The MoE expert matmul: x [T, K], rows sorted by expert (group_sizes[e] rows for expert e,
   as `jax.lax.ragged_dot` takes them) @ W[e] [K, N] for per-expert FP4 weights w [E, K, N]
   -> [T, N] bf16; rows past sum(group_sizes) come out zero. With rows_in [R] and rows_out [S]
@@ -175,11 +177,13 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
   The pallas implementation pads each group to whole block_m-row tiles (`_group_tiles`) and
   runs the dot kernel with each tile's expert read from a small table; the padding tiles past
   the ones in use skip their K loop. Weights in the Mosaic GPU kernel's layout (`layout.tile`)
-  run `mosaic.grouped_fp4_matmul` when compiled on a Hopper GPU, as in `fp4_matmul`."""
+  run `mosaic.grouped_fp4_matmul` when compiled on a Hopper GPU, as in `fp4_matmul` (`fold`
+  too)."""
   _check_impl(implementation)
   if _wgmma(w, implementation, interpret):
     return mosaic.grouped_fp4_matmul(x, w, group_sizes, splits=splits, rows_in=rows_in,
-                                     rows_out=rows_out, slots=slots)
+                                     rows_out=rows_out, slots=slots,
+                                     fold=fold and w.kernel_fmt == "mxfp4")
   w = untile(w) if isinstance(w, TiledFP4) else w
   reference.check_weight(w, grouped=True)
   _check_grouped("grouped_fp4_matmul", x, w.shape, group_sizes, rows_in, rows_out)

@@ -146,16 +146,17 @@ def e8m0_bf16(s):
   return jax.lax.bitcast_convert_type((s << 7).astype(jnp.uint16), jnp.bfloat16)
 
 
-def fold_scale_bf16(s, ref: int):
-  """E8M0 scale bytes (integers) -> the folded decode's multiplier (`e2m1_nibbles_asm(folded=
-  True)`), bf16 2^(s - ref + 126): times the decode's E2M1 x 2^-126 it gives E2M1 x 2^(s - ref),
-  the value over 2^(ref - 127), which the caller multiplies back in once, after the matrix
-  instruction. Exact while s <= ref + 1 (the multiplier is a bf16 power of two) and the value
-  stays on bf16's grid (s >= ref - 132: 0.5 x 2^(s - ref) is at least the smallest subnormal);
-  above that range the multiplier is Inf (as the unfolded decode's is for the NaN byte 255),
-  below it the values round to bf16's subnormals."""
-  field = jnp.clip(s.astype(jnp.int32) + (253 - ref), 0, 255)
-  return jax.lax.bitcast_convert_type((field << 7).astype(jnp.uint16), jnp.bfloat16)
+def fold_scale_bf16(s, unfold):
+  """E8M0 scale bytes (integers) and the fold's reference as `unfold` = 2^(R - 127) (a float, or
+  a float32 scalar) -> the folded decode's multiplier (`e2m1_nibbles_asm(folded=True)`), bf16
+  2^(s - R + 126), computed in float32: times the decode's E2M1 x 2^-126 it gives E2M1 x
+  2^(s - R), the value over `unfold`, which the caller multiplies back in once, after the matrix
+  instruction. Exact while s <= R + 1 (the multiplier is a bf16 power of two) and the value stays
+  on bf16's grid (s >= R - 132: 0.5 x 2^(s - R) is at least the smallest subnormal); above that
+  range the multiplier is Inf (as the unfolded decode's is for the NaN byte 255), below it the
+  values round to bf16's subnormals; byte 0 gives 0, as `e8m0_bf16` does."""
+  e8m0 = jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)  # 2^(s - 127)
+  return (e8m0 * (2.0**126 / unfold)).astype(jnp.bfloat16)
 
 
 def e4m3_f32(s):

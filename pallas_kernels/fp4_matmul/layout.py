@@ -46,8 +46,9 @@ ORDERS = ("pairs", "halves")  # the nibbles' order within a tile row (module doc
 class TiledFP4:
   """An MXFP4 or per-tensor NVFP4 weight [K, N] (or per-expert [E, K, N]) quantized along K, in
   the wgmma kernels' layout: codes uint8 [(E,) N/64, K/64, 64, 32], scales uint8
-  [(E,) N/64, K/block, 64], global_scale float32 [] (or [E]; 1 for MXFP4); `order` the
-  nibbles' order in a tile row (`ORDERS`). Made by `tile`."""
+  [(E,) N/64, K/block, 64], global_scale float32 [] (or [E]: NVFP4's global; for MXFP4 the
+  power of two 2^(R - 127) that the folded decode leaves out, `fold_reference`, 1 unless a block
+  scale exceeds 2^1); `order` the nibbles' order in a tile row (`ORDERS`). Made by `tile`."""
 
   codes: jax.Array
   scales: jax.Array
@@ -96,6 +97,17 @@ def _pairs(codes: jax.Array) -> jax.Array:
   return (nib[..., 0] | nib[..., 1] << 4).reshape(codes.shape)
 
 
+def fold_reference(scales: jax.Array, lead: int) -> jax.Array:
+  """MXFP4 scale bytes [*lead dims, ...] -> 2^(R - 127) (float32 [*lead dims]), the reference
+  of the kernels' folded decode (`mosaic` with fold=True: one multiply by 2^(s - R + 126) a
+  pair of values, then the output times 2^(R - 127)): R = max(127, the largest finite scale
+  byte - 1), so that every finite block's multiplier is a bf16 power of two; the values then
+  decode exactly for block scales down to 2^(R - 259) (2^-132 below the reference)."""
+  s = scales.astype(jnp.int32).reshape(*scales.shape[:lead], -1)
+  r = jnp.clip(jnp.max(jnp.where(s < 255, s, 0), axis=-1) - 1, 127, 254)
+  return jax.lax.bitcast_convert_type(r << 23, jnp.float32)
+
+
 def tile(w: QArray, order: str = "pairs") -> TiledFP4:
   """A packed FP4 weight -> `TiledFP4` (a layout change; no value changes). Takes [K, N]
   quantized along K (axis 0), its K-major transpose [N, K] (axis 1, `reference.transpose`), or
@@ -121,8 +133,8 @@ def tile(w: QArray, order: str = "pairs") -> TiledFP4:
     codes = _halves(codes)
   codes = codes.reshape(*lead, n // ROWS, ROWS, k2 // CHUNK, CHUNK)
   scales = scales.reshape(*lead, n // ROWS, ROWS, scales.shape[-1])
-  if w.global_scale is None:
-    g = jnp.ones(lead, jnp.float32)
+  if w.global_scale is None:  # MXFP4
+    g = fold_reference(scales, len(lead))
   else:
     g = w.global_scale.astype(jnp.float32)
     g = jnp.broadcast_to(g.reshape(()), lead) if g.size == 1 else g.reshape(lead)

@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 
 import numpy as np
 
-from pallas_kernels.fp4_matmul.kernel import e2m1_bf16, e2m1_nibbles_asm, e4m3_f32
+from pallas_kernels.fp4_matmul.kernel import (e2m1_bf16, e2m1_nibbles_asm, e4m3_f32,
+                                              fold_scale_bf16)
 from pallas_kernels.fp4_matmul.layout import CHUNK, ORDERS, ROWS, TiledFP4
 from pallas_kernels.fp4_matmul.tiling import default_splits, place_rows, sorted_rows
 
@@ -151,7 +152,7 @@ def _load(ref, layout):
 
 def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n, block_k2,
           steps, max_concurrent_steps, decode, tile_m=None, order="pairs", row_tiles=1,
-          out_rows=False):
+          out_rows=False, fold=False):
   """One [64, M] tile of y^T (dense), or with `tile_m` and a table (`rest` = tile_expert, out)
   one [64, tile_m] tile of the grouped product: token tile t of x times expert tile_expert[t]'s
   weight (codes and scales with the experts' row tiles stacked, [E x N/64, ...], globals [E]);
@@ -170,7 +171,12 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   With codes in the "halves" order (`layout.ORDERS`; "asm" decode only) xe_gmem is x itself,
   [M, K] (xo_gmem unused): a chunk decodes to one [64, 64] A tile in K's order, and the
   instruction's B is x's [tokens, 64] tile of shared memory read transposed (K-major, one
-  128-byte swizzle a row), for every M in one accumulator."""
+  128-byte swizzle a row), for every M in one accumulator.
+
+  `fold` (MXFP4, "asm" decode): the decode's 2^126 folded into each block's multiplier against
+  the weight's reference R (`layout.fold_reference`, in g_gmem as 2^(R - 127)): one bf16x2
+  multiply a pair of values instead of two, and the accumulator times 2^(R - 127) once, before
+  it is stored."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   *table, out_gmem = rest
   ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
@@ -192,9 +198,14 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
   if table:
     expert = table[0][ti]
     wi = expert * jax.lax.axis_size("n") + ni
-    g = g_gmem[expert] if fmt == "nvfp4" else None
+    g = g_gmem[expert] if fmt == "nvfp4" or fold else None
   else:
-    g = g_gmem[0] if fmt == "nvfp4" else None
+    g = g_gmem[0] if fmt == "nvfp4" or fold else None
+
+  def scale_row(s):
+    """A row of scale bytes -> what the decode multiplies by (`_scale_row`, or folded against
+    the reference g = 2^(R - 127))."""
+    return fold_scale_bf16(s, g) if fold else _scale_row(s, fmt, g)
 
   def scale_tile(scales_smem, j, shape):
     """The scale of every element of chunk j's [64, CHUNK] codes, in the A layout."""
@@ -212,9 +223,9 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
     for j in range(block_k2 // CHUNK):
       x_t = plgpu.transpose_ref(x_smem.at[:, pl.ds(j * 2 * CHUNK, 2 * CHUNK)], (1, 0))
       for r, acc in enumerate(accs):  # each row tile's chunk j against the same x columns
-        rows = [plgpu.layout_cast(_scale_row(_load(scales_smem.at[r, j * per + b], row_l), fmt,
-                                             g), row_l) for b in range(per)]
-        a = _decode_asm([_load(codes_smem.at[r, j], wgmma)], rows, fmt, order)
+        rows = [plgpu.layout_cast(scale_row(_load(scales_smem.at[r, j * per + b], row_l)),
+                                  row_l) for b in range(per)]
+        a = _decode_asm([_load(codes_smem.at[r, j], wgmma)], rows, fmt, order, folded=fold)
         plgpu.wgmma(acc, a, x_t)
     plgpu.wgmma_wait(0)
     return accs
@@ -229,9 +240,9 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
       if decode == "asm":
         tiles = [_load(codes_smem.at[0, j + t], wgmma) for t in range(k_tiles)]
         per = CHUNK // per_scale
-        rows = [plgpu.layout_cast(_scale_row(_load(scales_smem.at[0, j * per + b], row_l), fmt,
-                                             g), row_l) for b in range(per * k_tiles)]
-        lo, hi = _decode_asm(tiles, rows, fmt)
+        rows = [plgpu.layout_cast(scale_row(_load(scales_smem.at[0, j * per + b], row_l)),
+                                  row_l) for b in range(per * k_tiles)]
+        lo, hi = _decode_asm(tiles, rows, fmt, folded=fold)
       else:
         codes = _load(codes_smem.at[0, j], wgmma)
         codes = codes.astype(jnp.uint16)
@@ -273,6 +284,8 @@ def _body(xe_gmem, xo_gmem, codes_gmem, scales_gmem, g_gmem, *rest, fmt, block_n
     for i, acc in enumerate(accs):
       r, c = divmod(i, groups)
       tokens = pl.ds((ti if table else c) * width, width)
+      if fold:  # the power of two the folded values are short of
+        acc = acc * g
       if out_rows:
         _store_rows(acc, out_gmem, si, ni * row_tiles + r, block_n, tokens)
       else:
@@ -348,21 +361,30 @@ def _x_operands(xs, order: str, decode: str) -> tuple[int, int]:
   return xs[0].shape[1] // 2, xs[0].shape[0]
 
 
+def _check_fold(fold: bool, fmt: str, decode: str):
+  if fold and (fmt != "mxfp4" or decode != "asm"):
+    raise ValueError(f"fold takes MXFP4 weights and the 'asm' decode, got {fmt} with "
+                     f"{decode!r}")
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
                                              "max_concurrent_steps", "decode", "order",
-                                             "out_rows"))
+                                             "out_rows", "fold"))
 def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
                        block_k2: int = 256, splits: int = 1, max_concurrent_steps: int = 4,
-                       decode: str = "asm", order: str = "pairs", out_rows: bool = False):
+                       decode: str = "asm", order: str = "pairs", out_rows: bool = False,
+                       fold: bool = False):
   """x (`xs`: for codes in the "pairs" order x's even and odd K columns transposed, (xe_t,
   xo_t) [K/2, M]; for "halves", (x,) [M, K]; M 16, 32 or a multiple of 32), a weight in the
   layout of `layout.tile` (codes [N/64, K/64, 64, 32] in that `order`, scales
-  [N/64, K/block, 64]), NVFP4's float32 global [1] (ignored for MXFP4) -> float32
-  [splits, N, M] partials of y^T (`out_rows`: of y, [splits, M, N]).
-  decode: "asm" (the PTX of `_decode_asm`) or "jnp" (integer operations and a select chain)."""
+  [N/64, K/block, 64]), NVFP4's float32 global [1] (for MXFP4 the fold's reference, read with
+  `fold` alone) -> float32 [splits, N, M] partials of y^T (`out_rows`: of y, [splits, M, N]).
+  decode: "asm" (the PTX of `_decode_asm`) or "jnp" (integer operations and a select chain).
+  `fold` (MXFP4, "asm"): one multiply a decoded pair (`_body`); the same partials."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+  _check_fold(fold, fmt, decode)
   k2, m = _x_operands(xs, order, decode)
   n = codes.shape[0] * 64
   if codes.shape[1:] != (k2 // CHUNK, 64, CHUNK) or m % (16 if m <= 32 else 32) or m > MAX_M \
@@ -378,7 +400,7 @@ def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
-                           order=order, out_rows=out_rows)
+                           order=order, out_rows=out_rows, fold=fold)
   if order == "halves":
     body = _without_xo(body)
   body.__name__ = "fp4_wgmma"  # the kernel's name in profiles
@@ -394,12 +416,13 @@ def fp4_wgmma_partials(xs, codes, scales, global_scale, *, fmt: str,
 @functools.partial(jax.jit, static_argnames=("fmt", "block_k2", "splits",
                                              "max_concurrent_steps", "decode", "order",
                                              "out_dtype", "row_tiles", "out_rows",
-                                             "tile_m"))
+                                             "tile_m", "fold"))
 def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
                                fmt: str, block_k2: int = 128, splits: int = 1,
                                max_concurrent_steps: int = 4, decode: str = "asm",
                                order: str = "pairs", out_dtype=jnp.float32,
-                               row_tiles: int = 1, out_rows: bool = False, tile_m: int = 16):
+                               row_tiles: int = 1, out_rows: bool = False, tile_m: int = 16,
+                               fold: bool = False):
   """The grouped form of `fp4_wgmma_partials`: x in tile_m-token tiles (`xs`: "pairs" (xe_t,
   xo_t) [K/2, tile_m x tiles], "halves" (x,) [tile_m x tiles, K]), per-expert tiled weights
   (codes [E, N/64, K/64, 64, 32] in that `order`, scales [E, N/64, K/block, 64], globals [E]),
@@ -409,10 +432,12 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
   ("halves" order: 1, 2 or 4): the 64-row tiles of y^T a block computes from one x tile.
   `out_rows` (one split, bf16): y itself, [1, tile_m x tiles, N], its unused tiles' rows
   unwritten. `tile_m`: 16 tokens a tile (wgmma's N), or 8 ("halves" order only): each expert's
-  rows padded to a multiple of 8, half the padding where experts get a few rows each."""
+  rows padded to a multiple of 8, half the padding where experts get a few rows each. `fold`:
+  as in `fp4_wgmma_partials`, each expert against its own reference (globals [E])."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if fmt not in ("mxfp4", "nvfp4"):
     raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+  _check_fold(fold, fmt, decode)
   _check_out_dtype(out_dtype, splits)
   if out_rows and jnp.dtype(out_dtype) != jnp.bfloat16:
     raise ValueError("out_rows writes y in bf16, from one split: out_dtype must be bfloat16, "
@@ -433,7 +458,8 @@ def grouped_fp4_wgmma_partials(xs, codes, scales, global_scale, tile_expert, *,
   steps = k2 // block_k2 // splits
   body = functools.partial(_body, fmt=fmt, block_n=64, block_k2=block_k2, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), decode=decode,
-                           tile_m=tile_m, order=order, row_tiles=row_tiles, out_rows=out_rows)
+                           tile_m=tile_m, order=order, row_tiles=row_tiles, out_rows=out_rows,
+                           fold=fold)
   if order == "halves":
     body = _without_xo(body)
   # the last grid axis is CUDA's x (up to 2^31 blocks), the others y and z (up to 65535): the
@@ -684,7 +710,7 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
                        decode: str = "asm", row_tiles: int = 1,
                        rows_in: jax.Array | None = None,
                        rows_out: jax.Array | None = None, out_rows: bool = True,
-                       tile_m: int | None = None, slots=None) -> jax.Array:
+                       tile_m: int | None = None, slots=None, fold: bool = False) -> jax.Array:
   """The MoE expert matmul of `api.grouped_fp4_matmul` (x [T, K], rows sorted by expert, or
   the rows rows_in of x with the output's rows_out, composed with the gathers here) for
   per-expert weights in the kernel's layout (`layout.tile` of an [E, K, N] weight), by the wgmma
@@ -699,7 +725,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   `out_rows` (the default; used with one split): the kernel writes y's rows (`_store_rows`),
   which are then gathered along rows; off, y^T's columns are gathered and transposed (a slower
   column gather: 56 against 65 us a down call at B = 64 on an H100, BENCHMARKS.md). `slots`:
-  the dispatch's rows per slot, placed with no sort (`tiling.place_rows`)."""
+  the dispatch's rows per slot, placed with no sort (`tiling.place_rows`). `fold`: MXFP4's
+  scales folded, one multiply a decoded pair (`_body`); the same outputs."""
   _check_tiled(w, True, "grouped_fp4_matmul")
   e, k, n = w.shape
   if x.ndim != 2 or x.shape[1] != k or group_sizes.shape != (e,):
@@ -724,7 +751,8 @@ def grouped_fp4_matmul(x: jax.Array, w: TiledFP4, group_sizes: jax.Array, *,
   partials = grouped_fp4_wgmma_partials(
       xs, w.codes, w.scales, w.global_scale, tile_expert, fmt=w.kernel_fmt, block_k2=block_k2,
       splits=splits, max_concurrent_steps=stages, decode=decode, order=w.order,
-      out_dtype=_out_dtype(splits), row_tiles=row_tiles, out_rows=out_rows, tile_m=tile_m)
+      out_dtype=_out_dtype(splits), row_tiles=row_tiles, out_rows=out_rows, tile_m=tile_m,
+      fold=fold)
   if out_rows:  # y's rows gathered (zeros past the groups)
     return jnp.take(partials[0], dest, axis=0, mode="fill", fill_value=0)
   return _rows_back(partials, dest)  # likewise out: y^T's columns gathered, then transposed
@@ -751,14 +779,15 @@ def _transposed(y_t):
 
 def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
                splits: int | None = None, max_concurrent_steps: int | None = None,
-               decode: str = "asm", out_rows: bool = True) -> jax.Array:
+               decode: str = "asm", out_rows: bool = True, fold: bool = False) -> jax.Array:
   """x [..., K] @ W -> [..., N] bf16 for a [K, N] weight in the kernel's layout (`layout.tile`),
   by the wgmma kernel (compiled Hopper only). Tokens go in calls of up to 256 (the instruction's
   N); block_k2 and the steps in flight default to what fits shared memory at that M (`pipeline`).
   decode: "asm" (PTX) or "jnp". A weight in the "halves" order (`layout.ORDERS`) takes x's
   rows as they are; the "pairs" order x^T's even and odd rows. `out_rows` (the default): the
   kernel writes the partials of y's rows (`_store_rows`), summed into y with no transpose pass;
-  off, the partials of y^T, summed and then transposed."""
+  off, the partials of y^T, summed and then transposed. `fold`: MXFP4's scales folded, one
+  multiply a decoded pair (`_body`); the same outputs."""
   _check_tiled(w, False, "fp4_matmul")
   k, n = w.shape
   x2, m, lead = _tokens(x)
@@ -781,7 +810,7 @@ def fp4_matmul(x: jax.Array, w: TiledFP4, *, block_k2: int | None = None,
       xs = (xt[0::2], xt[1::2])
     partials = fp4_wgmma_partials(xs, w.codes, w.scales, w.global_scale, fmt=w.kernel_fmt,
                                   block_k2=block_k2, splits=splits, max_concurrent_steps=stages,
-                                  decode=decode, order=w.order, out_rows=out_rows)
+                                  decode=decode, order=w.order, out_rows=out_rows, fold=fold)
     return jnp.sum(partials, axis=0).astype(jnp.bfloat16)
 
   if out_rows:

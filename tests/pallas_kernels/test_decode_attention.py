@@ -213,7 +213,7 @@ def test_v_operands_hold_v_transposed_in_v_rows_order(fmt, fold):
   codes = np.asarray(packed.codes)
   g = packed.global_scale if nv else None
   # the scale rows the kernel keeps in shared memory: bf16 pairs (MXFP4), float32 (NVFP4)
-  rows = np.asarray(fold_scale_bf16(packed.scales, mosaic.FOLD_REF) if fold
+  rows = np.asarray(fold_scale_bf16(packed.scales, 2.0 ** (mosaic.FOLD_REF - 127)) if fold
                     else block_scale(packed.scales, fmt.name, g)).T  # [blocks, slots]
   if fold:
     want = want * 2.0 ** (127 - mosaic.FOLD_REF)

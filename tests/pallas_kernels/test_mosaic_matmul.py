@@ -13,7 +13,7 @@ import pytest
 from pallas_kernels.fp4_matmul import api, kernel, layout, mosaic, reference
 from tests.pallas_kernels import ptx_emu
 from tests.pallas_kernels.routes import routed_rows
-from trace_jax.quant import FP8, MXFP4, NVFP4_TENSOR, quantize
+from trace_jax.quant import FP8, MXFP4, NVFP4_TENSOR, QArray, quantize
 
 FORMATS = [MXFP4, NVFP4_TENSOR]
 
@@ -139,7 +139,8 @@ def test_folded_nibbles_asm_gives_each_code_over_the_fold_reference():
   words = [(c | (c + 1) % 16 << 4) | ((c + 5) % 16 | (c + 9) % 16 << 4) << 8 for c in range(16)]
   with np.errstate(over="ignore", invalid="ignore"):
     for s in range(256):
-      mult = int(np.asarray(kernel.fold_scale_bf16(np.int32(s), ref)).view(np.uint16))
+      mult = int(np.asarray(kernel.fold_scale_bf16(np.int32(s), 2.0 ** (ref - 127))).view(
+          np.uint16))
       unfolded = s - ref + 127  # the E8M0 byte of the same power of two, where there is one
       for word in words:
         lo, hi = ptx_emu.run(mosaic.FOLDED_NIBBLES_ASM, 2, [word, mult | mult << 16])
@@ -220,18 +221,31 @@ def test_interleaved_registers_are_the_halves_order_in_k_order():
     assert elements == [(row, ks[0]), (row, ks[1])], (thread, idx)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_halves_registers_hold_a_tile_in_k_order(fmt):
+@pytest.mark.parametrize("fmt,fold", [(MXFP4, False), (NVFP4_TENSOR, False), (MXFP4, True)],
+                         ids=["mxfp4", "nvfp4_tensor", "mxfp4-fold"])
+def test_halves_registers_hold_a_tile_in_k_order(fmt, fold):
   """The "halves" order's A operand, modelled thread by thread from wgmma's register layout
   (thread t of the warpgroup: rows 16 (t // 32) + (t % 32) // 4 and 8 more, columns 2 (t % 4)
   and 2 (t % 4) + 1 of each 8-column tile; a codes register holds two bytes, a bf16 one two
   values): each codes register decoded by the kernels' PTX (emulated) with its block's scale,
   its low-nibble pair named bf16 column tile 2j and its high-nibble pair 2j + 1, as
   `mosaic._decode_asm` names them (`interleave_column_tiles`, checked against jax's layout
-  below, as is this register model), gives the weight's bf16 values in K's order, every one."""
+  below, as is this register model), gives the weight's bf16 values in K's order, every one.
+  `fold`: the folded decode (`FOLDED_NIBBLES_ASM`, each block's multiplier against the weight's
+  reference, here above 2^1 by a scaled column) gives those values over the reference's
+  2^(R - 127), exactly."""
   n, k = 64, 128
-  t = layout.tile(kmajor_weight(11, k, n, fmt), "halves")
+  w = kmajor_weight(11, k, n, fmt)
+  if fold:  # one output row's blocks at 2^3 to 2^5: the reference above 127
+    w = QArray(w.codes, w.scales.at[5].set(jnp.uint8(130 + jnp.arange(k // 32) % 3)),
+               w.global_scale, w.fmt, w.axis)
+  t = layout.tile(w, "halves")
   want = np.asarray(reference.dequantize_bf16(t)).T.view(np.uint16)  # [N, K] bf16 bits
+  if fold:
+    g = np.float32(np.asarray(t.global_scale))
+    assert g == 2.0 ** (132 - 1 - 127)  # R: the largest byte (132) less one
+    want = (want.astype(np.uint32) << 16).view(np.float32) / g
+    want = (want.view(np.uint32) >> 16).astype(np.uint16)  # exact: g is a power of two
   codes, scales = np.asarray(t.codes)[0], np.asarray(t.scales)[0]  # [K/64, 64, 32], [K/b, 64]
   g = np.float32(np.asarray(t.global_scale))
   got = np.zeros((n, k), np.uint16)
@@ -244,11 +258,15 @@ def test_halves_registers_hold_a_tile_in_k_order(fmt):
           col = 8 * j + 2 * (lane % 4)
           pair = int(codes[c, row, col]) | int(codes[c, row, col + 1]) << 8
           s = int(scales[(64 * c + 16 * j) // fmt.block_size, row])
-          if fmt is MXFP4:  # bf16 2^(s - 127) in both halves
+          if fold:  # bf16 2^(s - R + 126) in both halves
+            bits = int(np.asarray(kernel.fold_scale_bf16(np.int32(s), g)).view(np.uint16))
+            scale = [bits | bits << 16]
+          elif fmt is MXFP4:  # bf16 2^(s - 127) in both halves
             scale = [s << 7 | s << 23]
           else:  # float32 E4M3(s) x g, one a half
             scale = [ptx_emu.f32_bits(np.asarray(kernel.e4m3_f32(jnp.uint8(s)))[()] * g)] * 2
-          lo, hi = ptx_emu.run(mosaic.E2M1_NIBBLES_ASM[t.kernel_fmt], 2, [pair, *scale])
+          asm = mosaic.FOLDED_NIBBLES_ASM if fold else mosaic.E2M1_NIBBLES_ASM[t.kernel_fmt]
+          lo, hi = ptx_emu.run(asm, 2, [pair, *scale])
           for tile, word in ((2 * j, lo), (2 * j + 1, hi)):
             kk = 64 * c + 8 * tile + 2 * (lane % 4)
             got[row, kk], got[row, kk + 1] = word & 0xFFFF, word >> 16
@@ -267,6 +285,9 @@ def test_kernels_lower_for_cuda(fmt, decode, m, order):
   x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
   for out_rows in (False, True):  # y^T's partials, or y's (stored transposed)
     f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, decode=decode, out_rows=out_rows))
+    assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
+  if fmt is MXFP4 and decode == "asm":  # the scales folded (one multiply a decoded pair)
+    f = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, fold=True))
     assert jax.export.export(f, platforms=["cuda"])(x, w).out_avals[0].shape == (m, 128)
   if order == "halves" and m <= 40:  # a longer K step: x's tile [tokens, 512]
     g = jax.jit(lambda x, w: mosaic.fp4_matmul(x, w, block_k2=256))
@@ -298,6 +319,10 @@ def test_fp4_kernel_on_gpu(fmt, m, k, n, block_k2, decode, order):
     assert not np.isnan(got).any()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
     assert np.mean(got != want) < 0.05
+    if fmt is MXFP4 and decode == "asm":  # scales folded: the same sums times powers of two
+      folded = mosaic.fp4_matmul(x, layout.tile(w, order), block_k2=block_k2, out_rows=out_rows,
+                                 fold=True)
+      np.testing.assert_array_equal(np.asarray(folded, np.float32), got)
 
 
 @pytest.mark.gpu
@@ -310,6 +335,17 @@ def test_bf16_kernel_on_gpu(m):
   want = np.asarray(reference.bf16_matmul(x, w), np.float32)
   assert not np.isnan(got).any()
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_fold_reference_is_the_largest_finite_scale_less_one_from_127():
+  """`layout.fold_reference`: 2^(R - 127), R = max(127, the largest scale byte but NaN's 255,
+  less one), per tensor or per expert; tile puts it in an MXFP4 weight's global_scale."""
+  s = jnp.array([[[100, 126], [127, 128]], [[131, 5], [255, 3]], [[255, 255], [0, 0]]],
+                jnp.uint8)  # [E = 3, 2, 2]
+  np.testing.assert_array_equal(layout.fold_reference(s, 1), [1.0, 8.0, 1.0])
+  assert float(layout.fold_reference(s[1], 0)) == 8.0
+  t = layout.tile(grouped_weight(0, 2, 64, 64, MXFP4))
+  np.testing.assert_array_equal(t.global_scale, layout.fold_reference(t.scales, 1))
 
 
 def grouped_weight(seed, e, k, n, fmt):
@@ -363,6 +399,8 @@ def test_grouped_kernel_lowers_for_cuda(fmt, order):
     w4 = jax.eval_shape(lambda: layout.tile(grouped_weight(0, 4, 256, 256, fmt), order))
     f = jax.jit(lambda x, w, s: mosaic.grouped_fp4_matmul(x, w, s, row_tiles=4))
     assert jax.export.export(f, platforms=["cuda"])(x, w4, sizes).out_avals[0].shape == (20, 256)
+  if fmt is MXFP4:  # the scales folded, each expert against its own reference
+    kws += [dict(fold=True), dict(fold=True, block_k2=64, splits=2)]
   for kw in kws:
     f = jax.jit(lambda x, w, s, kw=kw: mosaic.grouped_fp4_matmul(x, w, s, **kw))
     assert jax.export.export(f, platforms=["cuda"])(x, w, sizes).mlir_module()
@@ -449,6 +487,9 @@ def test_grouped_kernel_on_gpu(fmt, sizes, k, n, order):
     np.testing.assert_array_equal(got[sum(sizes):], 0)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
     assert np.mean(got != want) < 0.05
+    if fmt is MXFP4:  # scales folded: the same sums times powers of two
+      folded = mosaic.grouped_fp4_matmul(x, layout.tile(w, order), gs, fold=True, **kw)
+      np.testing.assert_array_equal(np.asarray(folded, np.float32), got)
   rows = routed_rows(e, 16, 2, e, True)  # a MoE dispatch's rows, composed with the tiling
   want = np.asarray(reference.grouped_fp4_matmul(x[:16], w, rows.group_sizes, rows.src,
                                                  rows.back), np.float32)

@@ -2,6 +2,7 @@
 
 import functools
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -356,8 +357,9 @@ def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials, attentio
   FP4: the training path, guided by the rollout's records and routes, rounds every quantized
   value to the rollout's code (no flips at any site, the attention's output among them) and
   gives the rollout's log-probabilities within 1e-4 (on the emulation, MXFP4 and NVFP4: 2.4e-7;
-  plain rounding flips 12-14% of the codes there). `attention` "mosaic_fold": the same, and
-  the unfolded kernel's tokens and log-probabilities, bit for bit."""
+  plain rounding flips 12-14% of the codes there). `attention` "mosaic_fold": the engine with
+  `fold_scales` (its attention and FP4 matmuls decode MXFP4 with the scales folded), checked
+  the same way, and the unfolded engine's tokens and log-probabilities, bit for bit."""
   from pallas_kernels.decode_attention import mosaic as mosaic_attention
   from pallas_kernels import dispatch as K
   splits = []
@@ -376,8 +378,10 @@ def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials, attentio
   tokens, lengths = pad_prompts(PROMPTS)
   sampling = SamplingConfig(max_new_tokens=60, temperature=0.0)  # 66 fed: a 128-slot cache
   kernels = ("mosaic", "triton") if precision == "bf16" else ("mosaic", attention)
+  fold = {"mosaic": False, "mosaic_fold": True}  # the Mosaic kernel, MXFP4's scales folded
   out = {a: RolloutEngine(cfg, recipe, sampling, attn_chunk=64, kernels="pallas", records="all",
-                          collect_codes=True, attention_kernel=a).generate(
+                          collect_codes=True, attention_kernel=a.split("_")[0],
+                          fold_scales=fold.get(a, False)).generate(
                               weights, tokens, lengths, jax.random.PRNGKey(7))
          for a in set(kernels)}
   assert splits and set(splits) == {2}  # two splits of 64 slots, one trace a layer
@@ -459,18 +463,31 @@ def test_auto_attention_takes_the_backend_measured_faster_for_the_cache(precisio
   assert called == [backend]
 
 
-@pytest.mark.parametrize("backend,fold", [("mosaic", False), ("mosaic_fold", True)])
-def test_mosaic_fold_attention_asks_the_kernel_for_folded_scales(backend, fold, monkeypatch):
-  """attention_kernel "mosaic_fold": the Mosaic kernel, told to fold MXFP4's scales."""
+@pytest.mark.parametrize("fold", [False, True])
+def test_fold_scales_reach_the_mosaic_kernels(fold, monkeypatch):
+  """make_ops(fold_scales=...): the Mosaic attention and the FP4 matmuls are told to fold
+  MXFP4's scales (weights in the Mosaic layout only); the bf16 ones are not."""
   from tests.pallas_kernels.test_decode_attention import inputs
   from pallas_kernels import dispatch as K
-  from trace_jax.quant import MXFP4
+  from pallas_kernels.fp4_matmul.layout import tile
+  from trace_jax.quant import MXFP4, quantize
   called = []
   monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: True)
-  monkeypatch.setattr(K, "decode_attention", lambda *a, **kw: called.append(
-      (kw.get("backend"), kw.get("fold"))))
-  K.make_ops("pallas", attention_kernel=backend).attention(*inputs(0, 2, 128, 4, 2, 128, MXFP4))
-  assert called == [("mosaic", fold)]
+  spy = lambda name: lambda *a, **kw: called.append((name, kw.get("fold")))
+  for name in ("decode_attention", "fp4_matmul", "grouped_fp4_matmul", "bf16_matmul"):
+    monkeypatch.setattr(K, name, spy(name))
+  ops = K.make_ops("pallas", fold_scales=fold)
+  ops.attention(*inputs(0, 2, 128, 4, 2, 128, MXFP4))
+  w = jax.random.normal(jax.random.PRNGKey(0), (128, 64))
+  ops.linear(jnp.ones((2, 128), jnp.bfloat16), tile(quantize(w, MXFP4, axis=0)))
+  ops.linear(jnp.ones((2, 128), jnp.bfloat16), w.astype(jnp.bfloat16))
+  rows = types.SimpleNamespace(group_sizes=jnp.array([2, 0]), src=None, back=None, slots=None)
+  ops.experts(jnp.ones((2, 128), jnp.bfloat16),
+              tile(quantize(jnp.stack([w, w]), MXFP4, axis=1)), rows)
+  assert called == [("decode_attention", fold), ("fp4_matmul", fold or None),
+                    ("bf16_matmul", None), ("grouped_fp4_matmul", fold or None)]
+  with pytest.raises(ValueError, match="fold_scales runs the Pallas kernels"):
+    K.make_ops("xla", fold_scales=True)
 
 
 @pytest.mark.parametrize("precision,order", [("mxfp4", "pairs"), ("nvfp4", "pairs"),

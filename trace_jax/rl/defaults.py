@@ -84,8 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
   # it is installed: a baseline for the benchmarks)
   c.engine.kernels = "xla"
   # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
-  # Triton one otherwise, as measured) | triton | mosaic | mosaic_fold (the Mosaic kernel with
-  # MXFP4's scales folded into one multiply a decoded pair; the same outputs; not yet timed)
+  # Triton one otherwise, as measured) | triton | mosaic
   c.engine.attention_kernel = "auto"
   # the decode step as one lax.scan per run of layers alike (compiled once whatever the depth;
   # the rollout weights then stacked as the master params are) or layer by layer (false, as
@@ -96,6 +95,9 @@ def base_config() -> ml_collections.ConfigDict:
   # same values up to float32 sum order; rollout/w4a4_fold_misses counts the activation blocks
   # that took the kernel's exact branch. Off by default: not faster at B >= 16 (BENCHMARKS.md)
   c.engine.w4a4 = False
+  # with kernels=pallas: the Mosaic kernels decode MXFP4 weights and KV caches with each block's
+  # scale folded into one multiply a pair of values; the same values. Off: not yet timed
+  c.engine.fold_scales = False
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
   c.eval = ml_collections.ConfigDict(dict(every=50, size=200, batch_size=100))

@@ -83,7 +83,8 @@ class Run:
     engine = functools.partial(RolloutEngine, self.cfg, self.setup.rollout,
                                kernels=self.c.engine.kernels,
                                attention_kernel=self.c.engine.attention_kernel,
-                               scan_decode=self.c.engine.scan_decode, w4a4=self.c.engine.w4a4)
+                               scan_decode=self.c.engine.scan_decode, w4a4=self.c.engine.w4a4,
+                               fold_scales=self.c.engine.fold_scales)
     self.engine = engine(sampling, records=self.setup.records)
     self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
     self.eval_engine = engine(dataclasses.replace(sampling, temperature=0.0))

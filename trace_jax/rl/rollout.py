@@ -127,8 +127,7 @@ class RolloutEngine:
   Mosaic FP4 matmuls take weights packed for them (`pack_weights(..., ops=engine.ops)`),
   plainly packed ones run the Triton kernels. `attention_kernel`: the decode attention's
   backend under "pallas": "auto" (the Mosaic kernel for MXFP4 caches on Hopper, the Triton
-  one otherwise, as measured), "triton", "mosaic" or "mosaic_fold" (on Hopper; Triton
-  elsewhere; "mosaic_fold": MXFP4's scales folded, `pallas_kernels.dispatch._attention`).
+  one otherwise, as measured), "triton" or "mosaic" (on Hopper; Triton elsewhere).
   `scan_decode`: the decode step (and `extend`) as one
   `lax.scan` per run of layers over a cache stacked per run (compiled once whatever the depth;
   its weights best stacked too: `pack_weights(..., stacked=True)`), or layer by layer over a
@@ -136,13 +135,16 @@ class RolloutEngine:
   `w4a4` (with "pallas"): MXFP4 x MXFP4 matmuls on FP8 tensor cores where the recipe quantizes
   a projection's weight and input to MXFP4 (`pallas_kernels.dispatch.KernelOps`); the same
   values up to the order of float32 sums; the batch's `stats` count its exact-path blocks.
+  `fold_scales` (with "pallas"): the Mosaic kernels decode MXFP4 with one multiply a pair of
+  values (`pallas_kernels.dispatch.KernelOps`); the same values.
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
                records: str | Sequence[int] = "none", collect_codes: bool = False,
                attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "auto",
-               scan_decode: bool = False, w4a4: bool = False):
-    self.ops = make_ops(kernels, attention_kernel, cfg.act_dtype, w4a4=w4a4)
+               scan_decode: bool = False, w4a4: bool = False, fold_scales: bool = False):
+    self.ops = make_ops(kernels, attention_kernel, cfg.act_dtype, w4a4=w4a4,
+                        fold_scales=fold_scales)
     self.cfg, self.recipe, self.sampling = cfg, recipe, sampling
     self.record_layers = parse_layers(records, cfg.n_layers, what="records")
     self.collect_codes = collect_codes

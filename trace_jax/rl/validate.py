@@ -87,6 +87,9 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   if c.engine.w4a4 and c.engine.kernels != "pallas":
     raise ValueError(f"engine.w4a4 runs the Pallas W4A4 kernels: it needs engine.kernels=pallas "
                      f"(got {c.engine.kernels!r})")
+  if c.engine.fold_scales and c.engine.kernels != "pallas":
+    raise ValueError(f"engine.fold_scales folds the Pallas kernels' MXFP4 decode: it needs "
+                     f"engine.kernels=pallas (got {c.engine.kernels!r})")
   _choice("rl.remat", c.rl.remat, REMAT)
   hf = hf_policy.check(c)  # the checkpoint's shape with model.hf_path
   n_layers = (hf or c.model).n_layers
