@@ -58,8 +58,9 @@ _N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}  # arrays a cache: values; codes,
 # pair of values takes one bf16x2 multiply instead of two, and K and V come out over 2^(FOLD_REF
 # - 127), which the scores' 1/sqrt(head_dim) and the stored O^T multiply back. Every decoded
 # value is a normal bf16, exactly E2M1 x 2^(s - FOLD_REF), for block scales 2^-60 to 2^66 (scale
-# bytes 67 to 193); outside that range the multiplier is 0 (smaller values) or Inf (larger). The
-# products and sums are the unfolded kernel's times a power of two.
+# bytes 67 to 193); below that range the values round to bf16's subnormals (byte 0 gives 0, as
+# unfolded), above it they are Inf. The products and sums are the unfolded kernel's times a
+# power of two.
 FOLD_REF = 192
 
 
