@@ -80,7 +80,8 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   and odd K columns transposed). `fuse`: the weight sync packs the projections of one input
   as one weight (`KernelOps.fuse`), or with False each apart. `fold_scales`: the Mosaic
   kernels decode MXFP4 weights and caches with each block's scale folded into one multiply a
-  pair of values (the same outputs; not yet timed on a GPU)."""
+  pair of values (the same outputs, for caches whose block scales lie within 2^-60 to 2^66:
+  `mosaic_attention.FOLD_REF`; not yet timed on a GPU)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if fp4_order not in FP4_ORDERS:
@@ -156,7 +157,8 @@ BF16_XLA_FROM = 64
 
 
 def _folds(w, fold: bool) -> dict:
-  """The FP4 matmuls' `fold` argument for w (MXFP4 weights in the Mosaic layout), else none."""
+  """The FP4 matmuls' `fold` argument for w, a weight in the Mosaic layout (`api` passes it on
+  for MXFP4 ones only), else none."""
   return {"fold": True} if fold and isinstance(w, TiledFP4) else {}
 
 

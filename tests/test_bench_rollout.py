@@ -75,7 +75,8 @@ def test_random_weights_are_the_weight_syncs_layout(precision, kernels):
 def test_the_bytes_a_step_reads_do_not_depend_on_how_the_weights_are_packed(precision):
   """`step_bytes` counts a layer's weights alike whether the weight sync packs q, k and v,
   and gate and up, as one weight each (`Fused`, the kernels' default) or apart: up to the
-  tiled MXFP4 weights' unit globals, 4 bytes a matrix, which the fused weights hold fewer of."""
+  tiled MXFP4 weights' globals (their fold references), 4 bytes a matrix, which the fused
+  weights hold fewer of."""
   import jax
 
   from pallas_kernels.dispatch import make_ops

@@ -18,9 +18,11 @@ takes V^T from registers too, P^T from shared memory: each warp loads its 32 row
 pair at two consecutive slots, the two columns of an A-operand register, and decodes them there
 with the two slots' block scales (read from rows that the block's scale bytes are converted
 into once, in shared memory). Rows of O^T come out in the order `v_rows` gives and the wrapper
-puts them back. Where head_dim is not a multiple of 128 the block's V is decoded to shared
-memory instead and read transposed by wgmma. A bf16 cache skips the decodes (K and V read by
-wgmma from shared memory). Grid (batch, kv head, split); each program walks its
+puts them back. FP4 caches are taken at head_dim a multiple of 128 only (`unsupported`): the
+other path, V decoded to shared memory and read transposed by wgmma, makes O^T tiles of
+head_dim / 2 rows, which wgmma takes only in multiples of 64, so it never lowers at the head
+dims it was written for; it is kept, unreached, for the record. A bf16 cache skips the decodes
+(K and V read by wgmma from shared memory). Grid (batch, kv head, split); each program walks its
 split's slots in a pipeline of bulk copies (codes, scales, NVFP4's globals, the mask), keeping
 an online softmax in float32, and writes its unnormalized O^T with (m, l), combined outside as
 the Triton kernel's splits are (`kernel.combine`). A split that starts past its sequence's last
@@ -58,9 +60,11 @@ _N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}  # arrays a cache: values; codes,
 # pair of values takes one bf16x2 multiply instead of two, and K and V come out over 2^(FOLD_REF
 # - 127), which the scores' 1/sqrt(head_dim) and the stored O^T multiply back. Every decoded
 # value is a normal bf16, exactly E2M1 x 2^(s - FOLD_REF), for block scales 2^-60 to 2^66 (scale
-# bytes 67 to 193); below that range the values round to bf16's subnormals (byte 0 gives 0, as
-# unfolded), above it they are Inf. The products and sums are the unfolded kernel's times a
-# power of two.
+# bytes 67 to 193); bytes 60 to 66 give exact subnormals, smaller ones round (byte 0 gives 0, as
+# unfolded); bytes 194 to 254 give Inf where the unfolded decode is finite, and so NaN even in
+# a masked slot of a block that is read (0 x Inf). The products and sums are the unfolded
+# kernel's times a power of two, but for terms of P V below 2^-61, which underflow: the same
+# outputs for caches within that range.
 FOLD_REF = 192
 
 
@@ -439,7 +443,9 @@ def _check(fmt):
 
 def unsupported(kv_heads: int, head_dim: int, group: int, fmt: str, slots: int) -> str | None:
   """Why the wgmma kernel cannot take these sizes, or None if it can: at most 16 query heads a kv
-  head, head_dim a multiple of 64, the slots a multiple of 64, and each bulk-copied row of the
+  head, head_dim a multiple of 64 (of 128 for FP4 caches, whose V it reads from registers: V
+  through shared memory would make O^T tiles of head_dim / 2 rows, below wgmma's 64 at 64 and
+  not a multiple of it at 192), the slots a multiple of 64, and each bulk-copied row of the
   scales (and NVFP4's globals), all kv heads of a slot side by side, a multiple of 16 bytes
   whose halves hold whole heads."""
   if group > ROWS:
@@ -449,6 +455,8 @@ def unsupported(kv_heads: int, head_dim: int, group: int, fmt: str, slots: int) 
             f"{BLOCK_S}")
   if fmt == "bf16":
     return None
+  if not v_in_registers(fmt, head_dim):
+    return f"head_dim ({head_dim}) a multiple of 128 for a {fmt} cache"
   per_head = {"scales": head_dim // (32 if fmt == "mxfp4" else 16)}
   if fmt == "nvfp4":
     per_head["globals"] = 4

@@ -21,7 +21,9 @@ outside, as in `kernel.py`.
 
 Numerics: each value decodes to the bf16 XLA's dequantization gives it (MXFP4: E2M1 x 2^e,
 exact; NVFP4: E2M1 x (E4M3 x global) in float32, rounded once to bf16); products accumulate in
-float32. The weight is stored pre-tiled (`layout.TiledFP4`: [64-row, 32-byte] code tiles and
+float32. With `fold` (MXFP4) each value decodes to that bf16 over the weight's 2^(R - 127)
+(`layout.fold_reference`), and the accumulator is multiplied by it once, so the outputs are the
+same. The weight is stored pre-tiled (`layout.TiledFP4`: [64-row, 32-byte] code tiles and
 64-row scale vectors, each contiguous), because Mosaic swizzles only contiguous shared-memory
 tiles; the tiling is a layout change made once, when weights are packed.
 

@@ -151,6 +151,21 @@ def test_mosaic_kernel_lowers_for_cuda(fmt, fold):
                                                   backend="mosaic", splits=2, fold=fold))
   assert jax.export.export(f, platforms=["cuda"])(*args).out_avals[0].shape == (2, 32, 128)
 
+def test_mosaic_kernel_takes_fp4_caches_whose_v_it_reads_from_registers_only():
+  """An FP4 cache of head_dim 64 (or any not a multiple of 128) would take V through shared
+  memory, in O^T tiles of head_dim / 2 rows, fewer than wgmma's 64: refused by `unsupported`
+  (the engine then runs the Triton kernel), not left to fail in Mosaic's lowering."""
+  from pallas_kernels.decode_attention import mosaic
+  for fmt in ("mxfp4", "nvfp4"):
+    assert f"head_dim (64) a multiple of 128 for a {fmt} cache" in mosaic.unsupported(
+        8, 64, 4, fmt, 256)
+    assert mosaic.supports(4, 128, 8, fmt, 256) and mosaic.supports(4, 256, 8, fmt, 256)
+  assert mosaic.supports(8, 64, 4, "bf16", 256)  # bf16 reads V from shared memory as it is
+  args = jax.eval_shape(lambda: inputs(0, 2, 256, 8, 4, 64, None))
+  f = jax.jit(lambda q, k, v, m: decode_attention(q, k, v, m, implementation="pallas",
+                                                  backend="mosaic", splits=2))
+  assert jax.export.export(f, platforms=["cuda"])(*args).out_avals[0].shape == (2, 32, 64)
+
 
 def _emulated_partials(fmt):
   """`mosaic.decode_attention_partials` in jnp: the caches rebuilt from the kernel's arrays
@@ -301,8 +316,11 @@ def test_mosaic_backend_names_what_is_wrong():
   q20, k1, v1, mask1 = inputs(13, 1, 128, 1, 20, 64, None)  # 20 query heads a kv head
   with pytest.raises(ValueError, match="at most 16 query heads"):
     decode_attention(q20, k1, v1, mask1, implementation="pallas", backend="mosaic")
-  q2, k2, v2, mask2 = inputs(14, 1, 128, 1, 8, 64, MXFP4)  # one kv head's scales: 2 bytes
+  q2, k2, v2, mask2 = inputs(14, 1, 128, 1, 8, 128, MXFP4)  # one kv head's scales: 4 bytes
   with pytest.raises(ValueError, match="mxfp4 scales of a slot's 1 kv heads.*16 bytes"):
+    decode_attention(q2, k2, v2, mask2, implementation="pallas", backend="mosaic")
+  q2, k2, v2, mask2 = inputs(14, 1, 128, 8, 4, 64, MXFP4)  # V would go through shared memory
+  with pytest.raises(ValueError, match="head_dim \\(64\\) a multiple of 128 for a mxfp4"):
     decode_attention(q2, k2, v2, mask2, implementation="pallas", backend="mosaic")
   q3, k3, v3, mask3 = inputs(15, 1, 128, 2, 8, 128, NVFP4)  # globals: 2 x 4 bytes a slot
   with pytest.raises(ValueError, match="nvfp4 globals of a slot's 2 kv heads"):

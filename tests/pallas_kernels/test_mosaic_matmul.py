@@ -136,8 +136,9 @@ def test_nibbles_asm_is_the_triton_decode_of_two_bytes():
 def test_folded_nibbles_asm_gives_each_code_over_the_fold_reference():
   """`FOLDED_NIBBLES_ASM` (emulated) with `fold_scale_bf16`'s multiplier, for every scale byte
   and every code in both nibbles of both bytes: E2M1 x 2^(s - ref), bit for bit, for s in
-  [ref - 132, ref + 1], and there the bits the unfolded decode gives at scale 2^(s - ref); below
-  that the values round to bf16's subnormals, above it they are Inf (NaN for the zero codes)."""
+  [ref - 132, ref + 1], and where an E8M0 byte holds 2^(s - ref) (s >= ref - 126) the bits the
+  unfolded decode gives at that scale; below that range the values round to bf16's subnormals,
+  above it they are not finite (Inf, or NaN for the zero codes)."""
   ref = 192
   values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6] * 2) * np.repeat([1, -1], 8)
   words = [(c | (c + 1) % 16 << 4) | ((c + 5) % 16 | (c + 9) % 16 << 4) << 8 for c in range(16)]

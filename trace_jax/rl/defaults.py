@@ -96,7 +96,8 @@ def base_config() -> ml_collections.ConfigDict:
   # that took the kernel's exact branch. Off by default: not faster at B >= 16 (BENCHMARKS.md)
   c.engine.w4a4 = False
   # with kernels=pallas: the Mosaic kernels decode MXFP4 weights and KV caches with each block's
-  # scale folded into one multiply a pair of values; the same values. Off: not yet timed
+  # scale folded into one multiply a pair of values; the same outputs (the caches' block scales
+  # within 2^-60 to 2^66, pallas_kernels/decode_attention/mosaic.py). Off: not yet timed
   c.engine.fold_scales = False
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))

@@ -136,7 +136,7 @@ class RolloutEngine:
   a projection's weight and input to MXFP4 (`pallas_kernels.dispatch.KernelOps`); the same
   values up to the order of float32 sums; the batch's `stats` count its exact-path blocks.
   `fold_scales` (with "pallas"): the Mosaic kernels decode MXFP4 with one multiply a pair of
-  values (`pallas_kernels.dispatch.KernelOps`); the same values.
+  values (`pallas_kernels.dispatch.KernelOps`); the same outputs.
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
