@@ -18,11 +18,10 @@ takes V^T from registers too, P^T from shared memory: each warp loads its 32 row
 pair at two consecutive slots, the two columns of an A-operand register, and decodes them there
 with the two slots' block scales (read from rows that the block's scale bytes are converted
 into once, in shared memory). Rows of O^T come out in the order `v_rows` gives and the wrapper
-puts them back. FP4 caches are taken at head_dim a multiple of 128 only (`unsupported`): the
-other path, V decoded to shared memory and read transposed by wgmma, makes O^T tiles of
-head_dim / 2 rows, which wgmma takes only in multiples of 64, so it never lowers at the head
-dims it was written for; it is kept, unreached, for the record. A bf16 cache skips the decodes
-(K and V read by wgmma from shared memory). Grid (batch, kv head, split); each program walks its
+puts them back. FP4 caches are taken at head_dim a multiple of 128 only (`unsupported`): V
+decoded to shared memory instead would make O^T tiles of head_dim / 2 rows, which wgmma takes
+only in multiples of 64. A bf16 cache skips the decodes (K and V read by wgmma from shared
+memory). Grid (batch, kv head, split); each program walks its
 split's slots in a pipeline of bulk copies (codes, scales, NVFP4's globals, the mask), keeping
 an online softmax in float32, and writes its unnormalized O^T with (m, l), combined outside as
 the Triton kernel's splits are (`kernel.combine`). A split that starts past its sequence's last
@@ -264,8 +263,8 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
   row_l, col_l = wgmma.reduce(1), wgmma.reduce(0)
   parts = 1 if fmt == "bf16" else 2  # the even and odd head_dim entries, or all of them
   width = head_dim // parts
-  v_regs = v_in_registers(fmt, head_dim)  # V^T from registers: O^T in 64-row tiles
-  o_parts, o_width = (head_dim // 64, 64) if v_regs else (parts, width)
+  v_regs = fmt != "bf16"  # V^T from registers (FP4, `v_in_registers`): O^T in 64-row tiles
+  o_parts, o_width = (head_dim // 64, 64) if v_regs else (1, head_dim)
   nb = head_dim // (32 if fmt == "mxfp4" else 16)  # scale blocks of a head's row
   chunks = head_dim // 2 // CHUNK
   if fold and fmt != "mxfp4":
@@ -293,7 +292,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     return [_decode_asm([_load(codes_smem.at[:, pl.ds(j * CHUNK, CHUNK)], wgmma)],
                         rows[j * per:(j + 1) * per], fmt, folded=fold) for j in range(chunks)]
 
-  def step(_, mask_smem, *cache_smem, q_smem, v_bufs, vs_smem, p_smem):
+  def step(_, mask_smem, *cache_smem, q_smem, vs_smem, p_smem):
     *cache_smem, carry = cache_smem
     m, l_rows, o = carry
     k_smem, v_smem = cache_smem[:n_cache], cache_smem[n_cache:]
@@ -320,10 +319,6 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     p_smem[...] = p.astype(jnp.bfloat16)
     if v_regs:  # V's scales, one row a block, from where each thread reads its slots' own
       _store_rows(vs_smem, scale_rows(v_smem[1], v_smem[2] if fmt == "nvfp4" else None))
-    elif fmt != "bf16":
-      for j, pair in enumerate(decode(v_smem)):
-        for nibbles, buf in zip(pair, v_bufs):
-          buf[:, pl.ds(j * CHUNK, CHUNK)] = nibbles
     plgpu.commit_smem()  # (a warpgroup barrier too)
     if v_regs:
       v_ops = _v_operands(v_smem[0], vs_smem, head_dim, fmt, fold)
@@ -334,9 +329,9 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
         for acc_ref, v_op in zip(acc_refs, v_ops):
           plgpu.wgmma(acc_ref, v_op, p_smem)
         return
-      for acc_ref, v_ref in zip(acc_refs, v_bufs if fmt != "bf16" else v_smem):
-        # .at[:]: a transformed ref, which transposes on every jax version
-        plgpu.wgmma(acc_ref, v_ref.at[:].transpose((1, 0)), p_smem)
+      [acc_ref], [v_ref] = acc_refs, v_smem  # bf16: V as it is, read transposed
+      # .at[:]: a transformed ref, which transposes on every jax version
+      plgpu.wgmma(acc_ref, v_ref.at[:].transpose((1, 0)), p_smem)
 
     o = pl.run_state(pv)(tuple(plgpu.ACC.init(acc * rescale) for acc in o))
     return m_new, l_rows, o
@@ -348,7 +343,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
             tuple(plgpu.layout_cast(jnp.zeros((o_width, ROWS), jnp.float32), wgmma)
                   for _ in range(o_parts)))
 
-  def run(q_smem, v_bufs, vs_smem, p_smem, barrier):
+  def run(q_smem, vs_smem, p_smem, barrier):
     for i, q_part in enumerate(q_smem):  # Q^T's even and odd rows (or all), once
       plgpu.copy_gmem_to_smem(q_gmem.at[bi, hi, pl.ds(i * width, width)], q_part, barrier)
       plgpu.barrier_wait(barrier)
@@ -361,7 +356,7 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     m0, _, o0 = empty()
     l_rows0 = plgpu.layout_cast(jnp.zeros((BLOCK_S, ROWS), jnp.float32), wgmma)
     m, l_rows, o = plgpu.emit_pipeline(
-        functools.partial(step, q_smem=q_smem, v_bufs=v_bufs, vs_smem=vs_smem, p_smem=p_smem),
+        functools.partial(step, q_smem=q_smem, vs_smem=vs_smem, p_smem=p_smem),
         grid=(steps,),
         in_specs=[plgpu.BlockSpec((None, BLOCK_S), lambda k: (bi, s0 + k)),
                   *cache_specs, *cache_specs],
@@ -370,8 +365,6 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     return m, jnp.sum(l_rows, axis=0), o
 
   scoped = dict(q_smem=[plgpu.SMEM((width, ROWS), jnp.bfloat16) for _ in range(parts)],
-                v_bufs=[plgpu.SMEM((BLOCK_S, width), jnp.bfloat16)
-                        for _ in range(parts if fmt != "bf16" and not v_regs else 0)],
                 vs_smem=plgpu.SMEM((nb, BLOCK_S), jnp.float32 if fmt == "nvfp4"
                                    else jnp.bfloat16) if v_regs else None,
                 p_smem=plgpu.SMEM((BLOCK_S, ROWS), jnp.bfloat16),
@@ -410,17 +403,18 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
   splits that start from it on read nothing), each cache as 3-D arrays of [B, S, bytes a slot]
   (bf16 [B, S, Kv x Dh]; codes [B, S, Kv x Dh/2], scales [B, S, Kv x Dh/block] bytes and
   NVFP4's globals [B, S, Kv x 4] bytes), the kv heads of a slot side by side ->
-  per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order, or in `v_rows` order
-  where V^T comes from registers), m and l
+  per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order for a bf16 cache, in
+  `v_rows` order for an FP4 one, whose V^T comes from registers), m and l
   [splits, B, Kv, 16]. `fold` (MXFP4): the scales carry the decode's 2^126 (`FOLD_REF`)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   _check(fmt)
   b, kv, dh, rows = q_t.shape
   s = mask.shape[1]
-  if rows != ROWS or s % (BLOCK_S * splits) or dh % (2 * CHUNK):
+  if rows != ROWS or s % (BLOCK_S * splits) or dh % (2 * CHUNK) or (
+      fmt != "bf16" and not v_in_registers(fmt, dh)):
     raise ValueError(f"the wgmma decode attention needs q^T [B, Kv, Dh, {ROWS}] (got "
                      f"{q_t.shape}), the slots ({s}) divisible by {BLOCK_S} x splits ({splits}) "
-                     f"and head_dim a multiple of {2 * CHUNK}")
+                     f"and head_dim a multiple of {2 * CHUNK} (of 128 for an FP4 cache)")
   steps = s // BLOCK_S // splits
   body = functools.partial(_body, fmt=fmt, head_dim=dh, kv_heads=kv, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), fold=fold)
@@ -511,9 +505,6 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
       fold=fold and fmt == "mxfp4")
   # the splits combined along O^T's memory, then its g real rows of 16 transposed
   out_t = kernel.combine(o_t, m, l, dh_axis=-2)[..., :g]  # [B, Kv, Dh, g]
-  if v_in_registers(fmt, dh):  # O^T's rows in `v_rows` order
+  if fmt != "bf16":  # O^T's rows in `v_rows` order (V^T from registers)
     out_t = out_t[:, :, np.argsort(v_rows(dh))]
-  elif fmt != "bf16":
-    out_t = jnp.stack([out_t[:, :, :dh // 2], out_t[:, :, dh // 2:]], axis=3).reshape(
-        b, kv, dh, g)
   return jnp.swapaxes(out_t, -1, -2).reshape(b, h, dh).astype(jnp.bfloat16)
