@@ -48,17 +48,70 @@ def grouped(x_MxD: jax.Array, w_ExDxF: jax.Array, group_sizes_E: jax.Array) -> j
   return y.astype(x_MxD.dtype)
 
 
+# Gathers whose gradients gather too. Autodiff transposes a gather into a scatter-add, which
+# XLA's deterministic GPU ops (trace_jax.determinism) compute as a sort and a scan of its own: a
+# warm-start step of the long-horizon `gpu` policy took 3.8x as long with them as without. Where
+# each row of the operand is taken a known number of times, at known places, the gradient is a
+# gather of those places and a sum in a fixed order instead.
+
+
+@jax.custom_vjp
+def take_rows(x_RxD: jax.Array, idx_N: jax.Array, places_RxK: jax.Array) -> jax.Array:
+  """x[idx], for an idx that takes each row r of x exactly K times, to the rows places[r] of
+  the result. Its gradient: row r's K cotangents gathered and summed in slot order (the
+  scatter-add's value bit for bit for K <= 2, which adds to a zero first)."""
+  return x_RxD[idx_N]
+
+
+def _take_rows_fwd(x_RxD, idx_N, places_RxK):
+  return x_RxD[idx_N], places_RxK
+
+
+def _take_rows_bwd(places_RxK, g_NxD):
+  g = g_NxD[places_RxK[:, 0]]
+  for j in range(1, places_RxK.shape[1]):
+    g = g + g_NxD[places_RxK[:, j]]
+  return g, None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+@jax.custom_vjp
+def take_last(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """jnp.take_along_axis(x, idx, axis=-1) for indices distinct along the last axis (a token's
+  experts, one target): its gradient is each cotangent where its index matches, a select, where
+  autodiff's is a scatter-add (the same values: each place gets one cotangent or none)."""
+  return jnp.take_along_axis(x, idx, axis=-1)
+
+
+def _take_last_fwd(x, idx):
+  return jnp.take_along_axis(x, idx, axis=-1), (idx, x.shape[-1])
+
+
+def _take_last_bwd(res, g):
+  idx, n = res
+  at = idx[..., :, None] == jnp.arange(n)  # [..., k, n]
+  return jnp.sum(jnp.where(at, g[..., :, None], jnp.zeros((), g.dtype)), axis=-2), None
+
+
+take_last.defvjp(_take_last_fwd, _take_last_bwd)
+
+
 class ExpertRows(NamedTuple):
   """The rows a grouped matmul takes and gives around its sort by expert: sorted row i is row
   `src[i]` of its input (`group_sizes[e]` rows for expert e, in expert order), and output row
   j is sorted row `back[j]`. A kernel composes the two gathers with those of its own tiling.
   `slots` (a dispatch's): the same rows per output row, (its expert, its input row), in the
-  order of a stable sort by expert; a kernel can place the rows from these with no sort."""
+  order of a stable sort by expert; a kernel can place the rows from these with no sort.
+  `order` (a dispatch's): back's inverse, sorted row i is output row order[i]; with `back`,
+  the places of each row that the trainer's gradients gather from (`take_rows`)."""
 
   src: jax.Array
   back: jax.Array
   group_sizes: jax.Array
   slots: tuple[jax.Array, jax.Array] | None = None
+  order: jax.Array | None = None
 
 
 def grouped_rows(x_RxD: jax.Array, w_ExDxF: jax.Array, rows: ExpertRows) -> jax.Array:
@@ -141,7 +194,7 @@ def match_experts(idx_BxTxk: jax.Array, ref_BxTxk: jax.Array) -> tuple[jax.Array
 
 
 def gate_weights(probs_BxTxE, idx_BxTxk, renormalize: bool):
-  gates = jnp.take_along_axis(probs_BxTxE, idx_BxTxk, axis=-1)
+  gates = take_last(probs_BxTxE, idx_BxTxk)
   if renormalize:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
   return gates
@@ -175,10 +228,10 @@ class Dispatch:
   def of_tokens(self) -> ExpertRows:
     """From one row per token [M, D] to one per slot [M x k, F]."""
     return ExpertRows(self.order // self.k, self.inverse, self.group_sizes,
-                      (self.experts, jnp.arange(self.experts.size) // self.k))
+                      (self.experts, jnp.arange(self.experts.size) // self.k), self.order)
 
   @functools.cached_property
   def of_slots(self) -> ExpertRows:
     """From one row per slot [M x k, F] to one per slot [M x k, D]."""
     return ExpertRows(self.order, self.inverse, self.group_sizes,
-                      (self.experts, jnp.arange(self.experts.size)))
+                      (self.experts, jnp.arange(self.experts.size)), self.order)

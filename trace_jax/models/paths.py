@@ -122,7 +122,7 @@ class _TrainLayer:
     self.codes: dict[str, jax.Array] = {}
     self.chosen = None  # the experts the trainer used
     # (x, rows, x's rows sorted by expert): gate and up take one gather, so that their
-    # cotangents are summed on the sorted rows before one scatter back, as they always were
+    # cotangents are summed on the sorted rows before one gather back (`L.take_rows`)
     self._sorted: list[tuple[jax.Array, L.ExpertRows, jax.Array]] = []
 
   def _format(self, site):
@@ -140,9 +140,11 @@ class _TrainLayer:
   def _experts(self, x, w, rows, name):
     xs = next((s for a, r, s in self._sorted if a is x and r is rows), None)
     if xs is None:
-      xs = x.reshape(-1, x.shape[-1])[rows.src]
+      x_RxD = x.reshape(-1, x.shape[-1])
+      xs = L.take_rows(x_RxD, rows.src, rows.back.reshape(x_RxD.shape[0], -1))
       self._sorted.append((x, rows, xs))
-    return L.grouped(xs, self.path.weight(w, self.rep, name), rows.group_sizes)[rows.back]
+    ys = L.grouped(xs, self.path.weight(w, self.rep, name), rows.group_sizes)
+    return L.take_rows(ys, rows.back, rows.order[:, None])
 
   def norm_act(self, h, w, eps, site, keep=False):
     x = L.rms_norm(h, w, eps)

@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from trace_jax.models import layers as L
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.paths import Records, TrainPath
 from trace_jax.models.qwen3_moe import forward
@@ -57,7 +58,7 @@ def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: 
   logits, out = forward(cfg, params, inputs, pos, path, scan=scan, remat=remat)
   if temperature > 0:
     logits = logits / temperature
-  logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)
+  logp = L.take_last(jax.nn.log_softmax(logits, axis=-1), targets[..., None])
   logp = jnp.pad(logp[..., 0], ((0, 0), (1, 0)))
   return TrainOutputs(logp=logp, aux_loss=jnp.mean(out["aux"]), codes=out["codes"],
                       routes=out["routes"])
