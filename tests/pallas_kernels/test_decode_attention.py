@@ -339,7 +339,8 @@ def test_mosaic_backend_names_what_is_wrong():
     (3, 1024, 16, 128, None), (2, 1024, 1, 128, 2)])
 def test_mosaic_kernel_on_gpu(fmt, fold, b, s, g, dh, splits):
   """Compiled on a Hopper GPU: 4 kv heads, ragged left-padded masks, fresh inputs a shape; MXFP4
-  with its scales folded too, which gives the unfolded kernel's outputs."""
+  with its scales folded too, which gives the unfolded kernel's outputs but where terms of P V
+  below 2^-61 (which underflow float32 in the folded frame) reach the output."""
   from pallas_kernels.fp4_matmul import mosaic as mosaic_matmul
   if not mosaic_matmul.available():
     pytest.fail("the Mosaic kernel's GPU test needs a Hopper GPU")
@@ -350,9 +351,15 @@ def test_mosaic_kernel_on_gpu(fmt, fold, b, s, g, dh, splits):
   want = decode_attention(q, k, v, mask)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 4e-3
-  if fold:  # the products and sums of the unfolded kernel, times powers of two
-    np.testing.assert_array_equal(got, decode_attention(
-        q, k, v, mask, implementation="pallas", backend="mosaic", splits=splits))
+  if fold:  # the products and sums of the unfolded kernel, times powers of two: a term below
+    # 2^-61 changes a float32 sum only below 2^-61 x 2^24, so outputs above 2^-30 are the same
+    unfolded = np.asarray(decode_attention(
+        q, k, v, mask, implementation="pallas", backend="mosaic", splits=splits), np.float32)
+    got = np.asarray(got, np.float32)
+    large = np.abs(unfolded) >= 2.0**-30
+    assert large.mean() > 0.9  # (not a vacuous check: 98.8% in the 5 x 4096 case)
+    np.testing.assert_array_equal(got[large], unfolded[large])
+    assert np.abs(got - unfolded).max() <= 2.0**-40
 
 
 @pytest.mark.gpu
