@@ -663,6 +663,10 @@ def _report(data: curves.Results, args) -> None:
   across = seed_stats.markdown(data.summary, data.families)
   if across:  # mean ± the 95% interval's half-width over seeds (experiments/seeds.py)
     table += "\n\nAcross seeds (mean ± 95% interval, Student's t):\n\n" + across
+  pairs = seed_stats.paired_markdown(data.summary, data.families)
+  if pairs:  # the modes of a seed share its warm start: their differences within it
+    table += ("\n\nPaired within seeds (a - b in each seed that has both; mean ± 95% "
+              "interval):\n\n" + pairs)
   with open(os.path.join(args.out, "table.md"), "w") as fh:
     fh.write(table + "\n")
   print(table)

@@ -4,7 +4,9 @@ The interval is Student's t over the seeds (n - 1 degrees of freedom; scipy, whi
 depends on, gives the quantile): with 3 seeds the half-width is 2.48 standard deviations, so
 a difference between modes inside it is not one the data resolves. A run has collapsed when
 its greedy eval accuracy after RL is below half its accuracy after the warm start (RL undid
-what SFT taught), or it has none (it stopped on a non-finite loss).
+what SFT taught), or it has none (it stopped on a non-finite loss). The modes of one seed start
+RL from one warm start, so `paired` takes their differences within each seed (the interval of
+those) as well.
 """
 
 from __future__ import annotations
@@ -57,6 +59,44 @@ def posthoc(family: dict) -> dict[int, float]:
   if runs and min(runs) not in out and headline is not None:
     out[min(runs)] = headline
   return dict(sorted(out.items()))
+
+
+POSTHOC = "bf16 policy, MXFP4 post hoc"
+# (a, b): what a - b within a seed says; POSTHOC is each seed's bf16 policy on the MXFP4 engine
+PAIRS = (("trace", "fp4_qat"), ("trace_all", "fp4_qat"), ("trace", POSTHOC),
+         ("trace_all", POSTHOC), ("bf16", "trace"), ("bf16", "trace_all"))
+
+
+def paired(family: dict, pairs=PAIRS) -> list[dict]:
+  """Eval accuracy after RL, a - b within each seed that has both (one warm start a seed, so
+  the pair shares its start): per pair {"a", "b", "seeds", "above" (seeds where a > b)} and the
+  interval of the differences. Pairs with no common seed are left out."""
+  acc: dict[str, dict[int, float]] = {POSTHOC: posthoc(family)}
+  for key, run in family.get("runs", {}).items():
+    mode, seed = key.split("/seed")
+    if run.get("eval_accuracy_after") is not None:
+      acc.setdefault(mode, {})[int(seed)] = run["eval_accuracy_after"]
+  out = []
+  for a, b in pairs:
+    common = sorted(set(acc.get(a, {})) & set(acc.get(b, {})))
+    if common:
+      diffs = [acc[a][s] - acc[b][s] for s in common]
+      out.append({"a": a, "b": b, "seeds": common, "above": sum(d > 0 for d in diffs),
+                  **interval(diffs)})
+  return out
+
+
+def paired_markdown(summary: dict, families) -> str:
+  """One row per family and pair of `paired` with more than one common seed."""
+  lines = ["| family | difference (eval acc. after RL) | seeds | mean ± 95% | a above b in |",
+           "|---|---|---|---|---|"]
+  for family in families:
+    for p in paired(summary[family]):
+      if p["n"] > 1:
+        mean = round(p["mean"], 3) + 0.0  # (no "-0.000")
+        lines.append(f"| {family} | {p['a']} - {p['b']} | {p['n']} | {mean:+.3f} ± "
+                     f"{p['ci95']:.3f} | {p['above']} of {p['n']} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def markdown(summary: dict, families) -> str:

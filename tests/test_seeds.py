@@ -50,3 +50,30 @@ def test_post_hoc_fp4_of_the_bf16_policies_gets_its_own_row():
   # lost more than half of its bf16 policy's accuracy
   assert rows[1] == ("| long_horizon | bf16 policy, MXFP4 post hoc | 2 | 1 | 0.550 ± 1.906 | - | "
                      "- | - |")
+
+
+def test_paired_differences_are_taken_within_each_seed():
+  """Modes of one seed start RL from one warm start, so their differences within the seed say
+  more than the modes' separate intervals: the gpu-size reasoning rows of RESULTS.md (seeds
+  0 / 1 / 2) give trace - fp4_qat +0.035 ± 0.099 and trace - post hoc -0.013 ± 0.225."""
+  acc = {"bf16": (0.540, 0.530, 0.520), "fp4_qat": (0.395, 0.425, 0.435),
+         "trace": (0.390, 0.500, 0.470), "trace_all": (0.420, 0.465, 0.350)}
+  posthoc = (0.500, 0.430, 0.470)
+  runs = {f"{mode}/seed{s}": {"eval_accuracy_after": a[s], **(
+      {"posthoc_fp4_accuracy": posthoc[s]} if mode == "bf16" else {})}
+          for mode, a in acc.items() for s in range(3)}
+  runs["trace/seed3"] = {"eval_accuracy_after": 0.9}  # a seed fp4_qat lacks: not paired
+  pairs = seeds.paired({"runs": runs})
+  got = {(p["a"], p["b"]): p for p in pairs}
+  qat = got[("trace", "fp4_qat")]
+  assert qat["n"] == 3 and qat["mean"] == pytest.approx(0.035)
+  # differences -0.005, 0.075, 0.035: sd 0.04, t_{0.975, 2} = 4.302653
+  assert qat["ci95"] == pytest.approx(4.302653 * 0.04 / math.sqrt(3), rel=1e-6)
+  assert round(qat["ci95"], 3) == 0.099
+  ph = got[("trace", "bf16 policy, MXFP4 post hoc")]
+  assert round(ph["mean"], 3) == -0.013 and round(ph["ci95"], 3) == 0.225
+  assert round(got[("bf16", "trace")]["mean"], 3) == 0.077
+  table = seeds.paired_markdown({"reasoning": {"runs": runs}}, ["reasoning"])
+  assert "| reasoning | trace - fp4_qat | 3 | +0.035 ± 0.099 | 2 of 3 |" in table
+  assert seeds.paired_markdown({"reasoning": {"runs": {"bf16/seed0": runs["bf16/seed0"]}}},
+                               ["reasoning"]) == ""
