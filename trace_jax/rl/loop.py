@@ -97,6 +97,7 @@ class Run:
     self.rollout_layout = S.Layout(self.mesh, S.ROLLOUT_RULES)
     self.train_layout = S.Layout(self.mesh, S.TRAIN_RULES)
     self.sft_batches = record_batches(self.sources["train"], c.sft.batch_size, c.seed)
+    self._prepared = None  # (step, its placed batch): the warm start's next batch, built early
     self.rl_batches = record_batches(self.sources["train"], c.rl.prompts_per_step, c.seed + 1)
     n_eval = min(c.eval.size, len(self.sources["eval"]))
     self.eval_records = [self.sources["eval"][i] for i in range(n_eval)]
@@ -143,13 +144,23 @@ class Run:
 
   # -- steps -------------------------------------------------------------------------------
 
-  def sft_step(self, state, step):
+  def sft_batch(self, step):
+    """Warm-start step `step`'s batch of demonstrations, placed: the one `sft_step` prepared
+    while the previous step ran, or built now."""
+    if self._prepared is not None and self._prepared[0] == step:
+      return self._prepared[1]
     records = self.sft_batches[step]
     mine = records[self.train_layout.rows(len(records))]  # this process's rows
     batch = supervised_batch(self.tok, [self.task.prompt(r) for r in mine],
                              [demonstration(self.task, r) for r in mine],
                              self.c.max_prompt_len, self.new_tokens)
-    state, metrics = self.trainer.sft_step(state, self.train_layout.put(batch, len(records)))
+    return self.train_layout.put(batch, len(records))
+
+  def sft_step(self, state, step):
+    state, metrics = self.trainer.sft_step(state, self.sft_batch(step))
+    # the next step's batch is built on the host while this one runs on the device (the
+    # metrics below wait for it): 256-turn episodes take a second of Python a batch
+    self._prepared = (step + 1, self.sft_batch(step + 1)) if step + 1 < self.c.sft.steps else None
     return state, {k: float(v) for k, v in metrics.items()}
 
   def rl_step(self, state, step):

@@ -14,6 +14,7 @@ Observation tokens are context only: they are masked out of the loss and the mis
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 
@@ -24,6 +25,20 @@ from trace_jax.tasks import datasets
 from trace_jax.tasks.base import Record, Turn
 
 OBS_LEN = 4  # "y+7>"
+
+
+# an episode's operations and running totals, parsed once: each turn's `step` reads them, so a
+# 256-turn demonstration or rollout would otherwise parse and sum its episode 256 times
+@functools.lru_cache(maxsize=8192)
+def _episode(ops_json: str, start: int, modulus: int, turns: int):
+  ops = json.loads(ops_json)
+  if len(ops) < turns:
+    raise ValueError(f"episode has {len(ops)} operations, the task needs {turns}")
+  ops, total, totals = tuple(ops[:turns]), start % modulus, []
+  for o in ops:
+    total = (total + o) % modulus
+    totals.append(total)
+  return ops, tuple(totals)
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,18 +98,13 @@ class RunningSumTask:
         train_size=self.train_size, eval_size=self.eval_size, seed=self.seed)
     return datasets.prepare(RunningSumEpisodes, config, data_dir)
 
-  def _ops(self, record: Record) -> list[int]:
-    ops = json.loads(datasets.text(record["ops"]))
-    if len(ops) < self.turns:
-      raise ValueError(f"episode has {len(ops)} operations, the task needs {self.turns}")
-    return ops[:self.turns]
+  def _ops(self, record: Record) -> tuple[int, ...]:
+    return _episode(datasets.text(record["ops"]), int(record["start"]), self.modulus,
+                    self.turns)[0]
 
-  def totals(self, record: Record) -> list[int]:
-    total, out = int(record["start"]) % self.modulus, []
-    for o in self._ops(record):
-      total = (total + o) % self.modulus
-      out.append(total)
-    return out
+  def totals(self, record: Record) -> tuple[int, ...]:
+    return _episode(datasets.text(record["ops"]), int(record["start"]), self.modulus,
+                    self.turns)[1]
 
   def prompt(self, record: Record) -> str:
     start = int(record["start"]) % self.modulus
