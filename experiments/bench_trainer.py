@@ -13,6 +13,14 @@ call that compiles. Per mode: the first call, the median and spread of the timed
 ratio to fp4_qat's median (unguided QAT: what the records and guided rounding add), and the
 record bytes per fed token (`record/bytes_per_token`, the RL loop's metric). Timings count on a
 GPU only; compare ratios within one run. `--out` also writes the rows as JSON.
+
+`--step=sft` times the supervised warm-start step instead (bf16 and the same for every mode:
+one row, teacher-forced on the same batch, its loss on the sampled tokens), and
+`--deterministic` asks XLA for the deterministic GPU ops that the RL loop runs with by default
+(`deterministic=true`); without it XLA picks its faster non-deterministic ones:
+
+    python experiments/bench_trainer.py --family=long_horizon --config_arg=gpu,rl.remat=layer \
+        --step=sft --sequences=64 --prompt=8 --new_tokens=1532 --deterministic
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from trace_jax import determinism  # noqa: E402
 from trace_jax.models import ModelConfig, init_params, pack_weights  # noqa: E402
 from trace_jax.rl import metrics as M  # noqa: E402
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig  # noqa: E402
@@ -68,9 +77,13 @@ def one_mode(c, mode: str, args) -> dict:
                       temperature=c.rl.temperature, remat=c.rl.remat)
   trainer = Trainer(cfg, setup, make_optimizer(c.sft.lr, c.rl.lr, 0), options)
   state = trainer.init_state(params)
+  sft = {"tokens": batch["tokens"], "valid": batch["valid"], "loss_mask": batch["response_mask"]}
 
   def step(state):
-    state, metrics, _ = trainer.rl_step(state, batch)
+    if args.step == "sft":
+      state, metrics = trainer.sft_step(state, sft)
+    else:
+      state, metrics, _ = trainer.rl_step(state, batch)
     jax.block_until_ready(metrics)
     return state
 
@@ -82,17 +95,19 @@ def one_mode(c, mode: str, args) -> dict:
     start = time.perf_counter()
     state = step(state)
     times.append(time.perf_counter() - start)
-  return {"mode": mode, "records": setup.records, "first_call_s": first,
+  return {"mode": "warm start" if args.step == "sft" else mode,
+          "records": "none" if args.step == "sft" else setup.records, "first_call_s": first,
           "step_ms": 1e3 * statistics.median(times),
           "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),
           "record_bytes_per_token": M.record_bytes_per_token(batch["records"], positions),
           "tokens_per_step": positions}
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], step: str = "grpo") -> str:
   ref = next((r["step_ms"] for r in rows if r["mode"] == "fp4_qat"), None)
-  lines = ["| mode | records | GRPO step ms (median; min-max) | vs fp4_qat | record bytes/token "
-           "| first call s |", "|---|---|---|---|---|---|"]
+  what = "warm-start" if step == "sft" else "GRPO"
+  lines = [f"| mode | records | {what} step ms (median; min-max) | vs fp4_qat | record "
+           "bytes/token | first call s |", "|---|---|---|---|---|---|"]
   for r in rows:
     ratio = f"{r['step_ms'] / ref:.3f}x" if ref else "-"
     lines.append(f"| {r['mode']} | {r['records']} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}-"
@@ -111,6 +126,10 @@ def parse(argv=None):
   p.add_argument("--new_tokens", type=int, default=512, help="sampled tokens per sequence")
   p.add_argument("--vocab", type=int, default=128)
   p.add_argument("--steps", type=int, default=5, help="timed steps after the compiling one")
+  p.add_argument("--step", default="grpo", choices=("grpo", "sft"),
+                 help="the step timed: GRPO (each mode's) or the supervised warm start (one row)")
+  p.add_argument("--deterministic", action="store_true",
+                 help="XLA's deterministic GPU ops, as the RL loop's deterministic=true")
   p.add_argument("--out", default="", help="also write the rows here as JSON")
   p.add_argument("--quick", action="store_true", help="tiny sizes: " + str(QUICK))
   args = p.parse_args(argv)
@@ -121,6 +140,8 @@ def parse(argv=None):
   bad = [m for m in args.modes if m not in MODES]
   if bad or not args.modes:
     p.error(f"--modes: {bad or 'none given'}; choose from {list(MODES)}")
+  if args.step == "sft":  # the warm start is the same for every mode
+    args.modes = ["bf16"]
   if not os.path.isfile(os.path.join(ROOT, "configs", f"{args.family}.py")):
     p.error(f"--family={args.family!r}: no configs/{args.family}.py")
   for name in ("sequences", "prompt", "new_tokens", "vocab", "steps"):
@@ -131,6 +152,7 @@ def parse(argv=None):
 
 def main(argv=None):
   args = parse(argv)
+  determinism.enable(args.deterministic)  # (before JAX starts on the device)
   c = family_config(args)
   if args.sequences % c.rl.minibatches:
     raise SystemExit(f"--sequences={args.sequences} does not split into rl.minibatches="
@@ -141,10 +163,12 @@ def main(argv=None):
     print(json.dumps(rows[-1]), flush=True)
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "family": args.family, "config_arg": args.config_arg, "sequences": args.sequences,
-            "prompt": args.prompt, "new_tokens": args.new_tokens, "rows": rows}
+            "prompt": args.prompt, "new_tokens": args.new_tokens, "step": args.step,
+            "deterministic": args.deterministic, "rows": rows}
   print(f"{result['device']}, jax {result['jax']}, configs/{args.family}.py:{args.config_arg}, "
-        f"{args.sequences} sequences of {args.prompt} + {args.new_tokens} tokens")
-  print(table(rows))
+        f"{args.sequences} sequences of {args.prompt} + {args.new_tokens} tokens"
+        + (", deterministic ops" if args.deterministic else ""))
+  print(table(rows, args.step))
   if args.out:
     with open(args.out, "w") as fh:
       json.dump(result, fh, indent=1)

@@ -9,7 +9,7 @@ from experiments import bench_trainer
 
 @pytest.mark.parametrize("flag,message", [
     ("--modes=fp4_qat,nope", "--modes: ['nope']; choose from"), ("--steps=0", "--steps must be"),
-    ("--family=nope", "no configs/nope.py")])
+    ("--family=nope", "no configs/nope.py"), ("--step=rl", "--step: invalid choice: 'rl'")])
 def test_bad_arguments_are_named(capsys, flag, message):
   with pytest.raises(SystemExit):
     bench_trainer.main([flag])
@@ -28,6 +28,18 @@ def test_table_states_each_mode_against_unguided_qat():
                                dict(row, mode="trace", records="last:1", step_ms=10.5,
                                     record_bytes_per_token=120.0)])
   assert "| trace | last:1 | 10.5 (9.0-11.0) | 1.050x | 120.0 | 1.0 |" in table
+  assert "| warm-start step ms (median; min-max) |" in bench_trainer.table(
+      [dict(row, mode="warm start")], "sft")
+
+
+@pytest.mark.slow  # ~1 minute on 2 cores
+def test_quick_run_times_the_warm_start_once_for_every_mode():
+  result = bench_trainer.main(["--quick", "--modes=fp4_qat,trace", "--step=sft",
+                               "--deterministic"])
+  [row] = result["rows"]
+  assert row["mode"] == "warm start" and row["records"] == "none"
+  assert result["step"] == "sft" and result["deterministic"]
+  assert row["step_ms_min"] <= row["step_ms"] <= row["step_ms_max"]
 
 
 @pytest.mark.slow  # ~2 minutes on 2 cores: two modes compiled and stepped
