@@ -164,10 +164,10 @@ def main(argv=None):
   result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "family": args.family, "config_arg": args.config_arg, "sequences": args.sequences,
             "prompt": args.prompt, "new_tokens": args.new_tokens, "step": args.step,
-            "deterministic": args.deterministic, "rows": rows}
+            "deterministic": args.deterministic or determinism.is_on(), "rows": rows}
   print(f"{result['device']}, jax {result['jax']}, configs/{args.family}.py:{args.config_arg}, "
         f"{args.sequences} sequences of {args.prompt} + {args.new_tokens} tokens"
-        + (", deterministic ops" if args.deterministic else ""))
+        + (", deterministic ops" if result["deterministic"] else ""))
   print(table(rows, args.step))
   if args.out:
     with open(args.out, "w") as fh:

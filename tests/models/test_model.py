@@ -143,7 +143,7 @@ def test_the_trainers_gradient_scatters_only_into_the_embedding(remat):
   """The gradient of the trainer's log-probabilities gathers where the forward pass gathered
   rows (the experts' sorted rows and back, the gates, the targets' log-probabilities): a
   scatter-add, under XLA's deterministic GPU ops, becomes a sort and a scan of its own, which
-  made a warm-start step of the long-horizon `gpu` policy 3.8x slower than without them. Only
+  gave a warm-start step of the long-horizon `gpu` policy 3.3x the GPU time. Only
   the embedding's rows, taken by token, are scattered back."""
   from trace_jax.rl.recompute import recompute
   cfg = tiny(n_layers=2)
