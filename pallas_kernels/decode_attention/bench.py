@@ -37,14 +37,16 @@ FORMATS = ("bf16", "mxfp4", "nvfp4")  # the caches: bf16 (the project's kernels 
 CONFIGS = [dict(backend="triton", block_s=bs, num_warps=w, num_stages=st)
            for bs, w, st in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3)]] + [
            dict(backend="mosaic", max_concurrent_steps=n) for n in (2, 4, 6)] + [
-           dict(backend="mosaic", max_concurrent_steps=2, fold=True)]  # MXFP4 caches only
+           dict(backend="mosaic", max_concurrent_steps=2, fold=True),  # MXFP4 caches only
+           dict(backend="mosaic", max_concurrent_steps=2, blocks=2)]  # FP4 caches only
 
 
 def label(cfg: dict) -> str:
   """A tile configuration in a few characters: triton s64w4st2, mosaic c4, mosaic c2 fold (the
-  MXFP4 scales folded, `mosaic.FOLD_REF`)."""
+  MXFP4 scales folded, `mosaic.FOLD_REF`), mosaic c2 b2 (two 64-slot blocks a step)."""
   if cfg.get("backend") == "mosaic":
-    return f"mosaic c{cfg['max_concurrent_steps']}" + (" fold" if cfg.get("fold") else "")
+    return (f"mosaic c{cfg['max_concurrent_steps']}" + (" fold" if cfg.get("fold") else "")
+            + (f" b{cfg['blocks']}" if cfg.get("blocks", 1) > 1 else ""))
   return f"triton s{cfg['block_s']}w{cfg['num_warps']}st{cfg['num_stages']}"
 
 
@@ -119,7 +121,8 @@ def run(batches=BATCHES, contexts=CONTEXTS, configs=None, formats=FORMATS) -> di
       xla = lambda x, kv: reference.decode_attention(x[0], kv[0], kv[1], x[1])
       ref16 = jax.jit(xla)((q, mask), bf16[0])
       record("xla bf16", time_calls(xla, (q, mask), bf16), bf16_bytes, 0.0)
-      for cfg in [c for c in configs if not c.get("fold")] if "bf16" in formats else ():
+      for cfg in [c for c in configs if not c.get("fold") and c.get("blocks", 1) == 1
+                  ] if "bf16" in formats else ():
         p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
                                                         implementation="pallas", **cfg)
         attempt(lambda p=p, cfg=cfg: record(

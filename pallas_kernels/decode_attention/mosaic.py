@@ -31,7 +31,10 @@ The scales of all kv heads of a slot are copied together (a bulk copy's rows mus
 or more); each head's columns are loaded as the half of the row that holds them and picked out
 in registers, four bytes a 32-bit word (one masked integer sum across the four threads that
 share a row, `_head_words`). The softmax's row sum is kept per slot row and reduced across the
-warpgroup once, after the last block; its max is reduced every block. Numerics are the Triton
+warpgroup once, after the last block; its max is reduced every pipeline step, which takes one
+64-slot block or, with `blocks=2` (FP4 caches), two: their scores meet in one max across the
+warpgroup and their probabilities pass one barrier, and the second block's V^T is decoded
+after the first one's wgmma is issued (so that the two can overlap). Numerics are the Triton
 kernel's: each value is the engine's XLA dequantization in bf16; products accumulate in
 float32.
 """
@@ -54,6 +57,7 @@ from pallas_kernels.fp4_matmul.mosaic import _decode_asm, _load, _scale_row
 CHUNK = 32  # code bytes (64 head_dim values) a decode and its two instructions take
 BLOCK_S = 64  # slots a step: wgmma's M
 ROWS = 16  # query heads a kv head, padded: wgmma's N
+BLOCKS = (1, 2)  # 64-slot blocks a pipeline step
 _N_CACHE = {"bf16": 1, "mxfp4": 2, "nvfp4": 3}  # arrays a cache: values; codes, scales[, globals]
 # `fold` (MXFP4): each block's scale carries the decode's 2^126 (`kernel.fold_scale_bf16`), so a
 # pair of values takes one bf16x2 multiply instead of two, and K and V come out over 2^(FOLD_REF
@@ -251,9 +255,11 @@ def _v_operands(codes_ref, scales_ref, head_dim, fmt, fold=False):
 
 
 def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
-          max_concurrent_steps, fold=False):
-  """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline. `fold`
-  (MXFP4): the decode's 2^126 folded into the scales (`FOLD_REF`)."""
+          max_concurrent_steps, fold=False, blocks=1):
+  """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline, `blocks`
+  of them a step (FP4 caches: each block's scores, then one max across the warpgroup and one
+  barrier for all of them). `fold` (MXFP4): the decode's 2^126 folded into the scales
+  (`FOLD_REF`)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   n_cache = _N_CACHE[fmt]
   k_gmem, v_gmem = refs[:n_cache], refs[n_cache:2 * n_cache]
@@ -267,6 +273,9 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
   o_parts, o_width = (head_dim // 64, 64) if v_regs else (1, head_dim)
   nb = head_dim // (32 if fmt == "mxfp4" else 16)  # scale blocks of a head's row
   chunks = head_dim // 2 // CHUNK
+  if blocks > 1 and not v_regs:
+    raise ValueError(f"blocks > 1 takes FP4 caches, got {fmt}")
+  span = BLOCK_S * blocks  # slots a pipeline step
   if fold and fmt != "mxfp4":
     raise ValueError(f"fold takes MXFP4 caches, got {fmt}")
   unfold = 2.0 ** (FOLD_REF - 127) if fold else 1.0  # what the folded values are short of
@@ -297,41 +306,57 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     m, l_rows, o = carry
     k_smem, v_smem = cache_smem[:n_cache], cache_smem[n_cache:]
 
-    def scores(acc_ref):
-      if fmt == "bf16":
-        plgpu.wgmma(acc_ref, k_smem[0], q_smem[0])
-      else:
-        for j, pair in enumerate(decode(k_smem)):
-          for nibbles, q_part in zip(pair, q_smem):
-            plgpu.wgmma(acc_ref, nibbles, q_part.at[pl.ds(j * CHUNK, CHUNK)])
-      return acc_ref[...]
+    def block(refs, i):  # the i-th 64 slots of a step's refs
+      return refs if blocks == 1 else [r.at[pl.ds(i * BLOCK_S, BLOCK_S)] for r in refs]
 
-    s = pl.run_scoped(scores, plgpu.ACC((BLOCK_S, ROWS), jnp.float32)) * score_scale
-    valid = _load(mask_smem, row_l) != 0
-    valid = plgpu.layout_cast(jax.lax.broadcast_in_dim(valid, s.shape, [0]), wgmma)
-    s = jnp.where(valid, s, _MASKED)
-    m_new = jnp.maximum(m, jnp.max(s, axis=0))
+    def scores(k_refs):
+      def run(acc_ref):
+        if fmt == "bf16":
+          plgpu.wgmma(acc_ref, k_refs[0], q_smem[0])
+        else:
+          for j, pair in enumerate(decode(k_refs)):
+            for nibbles, q_part in zip(pair, q_smem):
+              plgpu.wgmma(acc_ref, nibbles, q_part.at[pl.ds(j * CHUNK, CHUNK)])
+        return acc_ref[...]
+      return pl.run_scoped(run, plgpu.ACC((BLOCK_S, ROWS), jnp.float32)) * score_scale
+
+    ss, valids = [], []
+    for i in range(blocks):
+      s = scores(block(k_smem, i))
+      [mask_i] = block([mask_smem], i)
+      valid = _load(mask_i, row_l) != 0
+      valid = plgpu.layout_cast(jax.lax.broadcast_in_dim(valid, s.shape, [0]), wgmma)
+      ss.append(jnp.where(valid, s, _MASKED))
+      valids.append(valid)
+    top = ss[0]
+    for s in ss[1:]:  # the blocks' scores meet in one max across the warpgroup
+      top = jnp.maximum(top, s)
+    m_new = jnp.maximum(m, jnp.max(top, axis=0))
     alpha = jnp.exp(m - m_new)
-    p = jnp.where(valid, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [1])), 0.0)
     # l stays per slot row (summed over the rows once, after the last block): no reduction
     # across the warpgroup a step
-    l_rows = l_rows * jax.lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-    p_smem[...] = p.astype(jnp.bfloat16)
-    if v_regs:  # V's scales, one row a block, from where each thread reads its slots' own
-      _store_rows(vs_smem, scale_rows(v_smem[1], v_smem[2] if fmt == "nvfp4" else None))
+    l_rows = l_rows * jax.lax.broadcast_in_dim(alpha, top.shape, [1])
+    for i, (s, valid) in enumerate(zip(ss, valids)):
+      p = jnp.where(valid, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [1])), 0.0)
+      l_rows = l_rows + p
+      p_smem[i][...] = p.astype(jnp.bfloat16)
+      if v_regs:  # V's scales, one row a block, from where each thread reads its slots' own
+        v_i = block(v_smem, i)
+        _store_rows(vs_smem[i], scale_rows(v_i[1], v_i[2] if fmt == "nvfp4" else None))
     plgpu.commit_smem()  # (a warpgroup barrier too)
-    if v_regs:
-      v_ops = _v_operands(v_smem[0], vs_smem, head_dim, fmt, fold)
+    v_ops = lambda i: _v_operands(block(v_smem, i)[0], vs_smem[i], head_dim, fmt, fold)
+    first = v_ops(0) if v_regs else None
     rescale = jax.lax.broadcast_in_dim(alpha, (o_width, ROWS), [1])
 
     def pv(acc_refs):
-      if v_regs:
-        for acc_ref, v_op in zip(acc_refs, v_ops):
-          plgpu.wgmma(acc_ref, v_op, p_smem)
+      if v_regs:  # a later block's V^T decoded while the wgmma before it runs
+        for i in range(blocks):
+          for acc_ref, v_op in zip(acc_refs, first if i == 0 else v_ops(i)):
+            plgpu.wgmma(acc_ref, v_op, p_smem[i])
         return
       [acc_ref], [v_ref] = acc_refs, v_smem  # bf16: V as it is, read transposed
       # .at[:]: a transformed ref, which transposes on every jax version
-      plgpu.wgmma(acc_ref, v_ref.at[:].transpose((1, 0)), p_smem)
+      plgpu.wgmma(acc_ref, v_ref.at[:].transpose((1, 0)), p_smem[0])
 
     o = pl.run_state(pv)(tuple(plgpu.ACC.init(acc * rescale) for acc in o))
     return m_new, l_rows, o
@@ -349,25 +374,25 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
       plgpu.barrier_wait(barrier)
     s0 = si * steps
     # the values (or codes) of this kv head; the scales and globals of all heads
-    cache_specs = [plgpu.BlockSpec((None, BLOCK_S, k_gmem[0].shape[2] // kv_heads),
+    cache_specs = [plgpu.BlockSpec((None, span, k_gmem[0].shape[2] // kv_heads),
                                    lambda k: (bi, s0 + k, hi))]
-    cache_specs += [plgpu.BlockSpec((None, BLOCK_S, a.shape[2]), lambda k: (bi, s0 + k, 0))
+    cache_specs += [plgpu.BlockSpec((None, span, a.shape[2]), lambda k: (bi, s0 + k, 0))
                     for a in k_gmem[1:]]
     m0, _, o0 = empty()
     l_rows0 = plgpu.layout_cast(jnp.zeros((BLOCK_S, ROWS), jnp.float32), wgmma)
     m, l_rows, o = plgpu.emit_pipeline(
         functools.partial(step, q_smem=q_smem, vs_smem=vs_smem, p_smem=p_smem),
         grid=(steps,),
-        in_specs=[plgpu.BlockSpec((None, BLOCK_S), lambda k: (bi, s0 + k)),
+        in_specs=[plgpu.BlockSpec((None, span), lambda k: (bi, s0 + k)),
                   *cache_specs, *cache_specs],
         max_concurrent_steps=max_concurrent_steps, init_carry=(m0, l_rows0, o0),
     )(mask_gmem, *k_gmem, *v_gmem)
     return m, jnp.sum(l_rows, axis=0), o
 
   scoped = dict(q_smem=[plgpu.SMEM((width, ROWS), jnp.bfloat16) for _ in range(parts)],
-                vs_smem=plgpu.SMEM((nb, BLOCK_S), jnp.float32 if fmt == "nvfp4"
-                                   else jnp.bfloat16) if v_regs else None,
-                p_smem=plgpu.SMEM((BLOCK_S, ROWS), jnp.bfloat16),
+                vs_smem=[plgpu.SMEM((nb, BLOCK_S), jnp.float32 if fmt == "nvfp4"
+                                    else jnp.bfloat16) for _ in range(blocks)] if v_regs else None,
+                p_smem=[plgpu.SMEM((BLOCK_S, ROWS), jnp.bfloat16) for _ in range(blocks)],
                 barrier=plgpu.Barrier())
 
   def store(m, l, o):
@@ -388,15 +413,17 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
 
   # a split that starts at or past the sequence's end (a cache longer than what it holds so far)
   # reads nothing and writes the empty state
-  reads = si * steps * BLOCK_S < end_gmem[bi]
+  reads = si * steps * span < end_gmem[bi]
   pl.when(reads)(lambda: store(*pl.run_scoped(run, **scoped)))
   pl.when(jnp.logical_not(reads))(lambda: store(*empty()))
 
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "splits", "max_concurrent_steps", "fold"))
+@functools.partial(jax.jit, static_argnames=("fmt", "splits", "max_concurrent_steps", "fold",
+                                             "blocks"))
 def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, splits: int = 1,
-                              max_concurrent_steps: int = 2, fold: bool = False):
+                              max_concurrent_steps: int = 2, fold: bool = False,
+                              blocks: int = 1):
   """Q^T q_t [B, Kv, Dh, 16] bf16 (the query heads of each kv head padded to 16; for the packed
   formats head_dim in [even | odd] order), mask [B, S] int32 (a block's 256 bytes keep every
   pipeline slot aligned for its bulk copy), end [B] int32 (`kernel.valid_end` of the mask:
@@ -405,19 +432,24 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
   NVFP4's globals [B, S, Kv x 4] bytes), the kv heads of a slot side by side ->
   per split: o^T [splits, B, Kv, Dh, 16] (unnormalized; Dh in q's order for a bf16 cache, in
   `v_rows` order for an FP4 one, whose V^T comes from registers), m and l
-  [splits, B, Kv, 16]. `fold` (MXFP4): the scales carry the decode's 2^126 (`FOLD_REF`)."""
+  [splits, B, Kv, 16]. `fold` (MXFP4): the scales carry the decode's 2^126 (`FOLD_REF`).
+  `blocks`: 64-slot blocks a pipeline step (FP4 caches; the slots a multiple of 64 x blocks x
+  splits)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   _check(fmt)
   b, kv, dh, rows = q_t.shape
   s = mask.shape[1]
-  if rows != ROWS or s % (BLOCK_S * splits) or dh % (2 * CHUNK) or (
-      fmt != "bf16" and not v_in_registers(fmt, dh)):
+  if rows != ROWS or s % (BLOCK_S * blocks * splits) or dh % (2 * CHUNK) or (
+      fmt != "bf16" and not v_in_registers(fmt, dh)) or blocks not in BLOCKS or (
+      blocks > 1 and fmt == "bf16"):
     raise ValueError(f"the wgmma decode attention needs q^T [B, Kv, Dh, {ROWS}] (got "
-                     f"{q_t.shape}), the slots ({s}) divisible by {BLOCK_S} x splits ({splits}) "
-                     f"and head_dim a multiple of {2 * CHUNK} (of 128 for an FP4 cache)")
-  steps = s // BLOCK_S // splits
+                     f"{q_t.shape}), the slots ({s}) divisible by {BLOCK_S} x blocks ({blocks}, "
+                     f"one of {BLOCKS}; above 1 for FP4 caches only) x splits ({splits}) and "
+                     f"head_dim a multiple of {2 * CHUNK} (of 128 for an FP4 cache)")
+  steps = s // BLOCK_S // blocks // splits
   body = functools.partial(_body, fmt=fmt, head_dim=dh, kv_heads=kv, steps=steps,
-                           max_concurrent_steps=min(max_concurrent_steps, steps), fold=fold)
+                           max_concurrent_steps=min(max_concurrent_steps, steps), fold=fold,
+                           blocks=blocks)
   body.__name__ = "decode_attention_wgmma"
   out_type = (jax.ShapeDtypeStruct((splits, b, kv, dh, rows), jnp.float32),
               jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32),
@@ -479,11 +511,12 @@ def _slot_rows(cache, b, s):
 
 def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
                      splits: int | None = None, max_concurrent_steps: int = 2,
-                     fold: bool = False) -> jax.Array:
+                     fold: bool = False, blocks: int = 1) -> jax.Array:
   """`api.decode_attention`'s "pallas" path on the wgmma kernel (compiled Hopper only): q
   [B, H, Dh], caches [B, S, Kv, Dh] (bf16, or MXFP4 / NVFP4 `QArray`s along head_dim), mask
   [B, S] -> [B, H, Dh] bf16. Inputs are checked by the caller (`api`). `fold`: MXFP4 caches
-  decoded with the scales folded (`FOLD_REF`; ignored for the other formats)."""
+  decoded with the scales folded (`FOLD_REF`; ignored for the other formats). `blocks`: 64-slot
+  blocks a pipeline step, for FP4 caches (bf16 ones take 1 whatever is asked)."""
   b, h, dh = q_BxHxDh.shape
   s, kv = k.shape[1], k.shape[2]
   fmt = cache_format(k)
@@ -495,14 +528,20 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
   if fmt != "bf16":  # head_dim in [even | odd] order, the order of the decoded nibbles
     q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
   q_t = jnp.swapaxes(jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - g), (0, 0))), -1, -2)
-  splits = splits or default_splits(b * kv, s // BLOCK_S)
-  if (s // BLOCK_S) % splits:
-    raise ValueError(f"splits ({splits}) must divide the {s // BLOCK_S} blocks of {BLOCK_S} "
-                     "slots")
+  if blocks not in BLOCKS:
+    raise ValueError(f"blocks must be one of {BLOCKS}, got {blocks!r}")
+  blocks = 1 if fmt == "bf16" else blocks
+  span = BLOCK_S * blocks
+  if s % span:
+    raise ValueError(f"the slots ({s}) must be a multiple of {span} ({blocks} blocks of "
+                     f"{BLOCK_S} a step)")
+  splits = splits or default_splits(b * kv, s // span)
+  if (s // span) % splits:
+    raise ValueError(f"splits ({splits}) must divide the {s // span} steps of {span} slots")
   o_t, m, l = decode_attention_partials(
       q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, b, s),
       _slot_rows(v, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps,
-      fold=fold and fmt == "mxfp4")
+      fold=fold and fmt == "mxfp4", blocks=blocks)
   # the splits combined along O^T's memory, then its g real rows of 16 transposed
   out_t = kernel.combine(o_t, m, l, dh_axis=-2)[..., :g]  # [B, Kv, Dh, g]
   if fmt != "bf16":  # O^T's rows in `v_rows` order (V^T from registers)

@@ -22,7 +22,8 @@ from pallas_kernels.decode_attention.bench import HEAD_DIM, HEADS, KV_HEADS
 from trace_jax.quant import MXFP4, NVFP4, quantize
 
 VARIANTS = ("mosaic:mxfp4", "mosaic:bf16", "triton:bf16", "mosaic:nvfp4", "triton:mxfp4",
-            "mosaic:mxfp4:fold")  # fold: the MXFP4 scales folded (`mosaic.FOLD_REF`)
+            "mosaic:mxfp4:fold",  # fold: the MXFP4 scales folded (`mosaic.FOLD_REF`)
+            "mosaic:mxfp4:b2")  # b2: two 64-slot blocks a pipeline step
 
 
 def main():
@@ -45,8 +46,8 @@ def main():
   caches = {"bf16": (k, v), "mxfp4": (quantize(k, MXFP4), quantize(v, MXFP4)),
             "nvfp4": (quantize(k, NVFP4), quantize(v, NVFP4))}
   for name in variants:
-    backend, fmt, *fold = name.split(":")
-    extra = {"fold": True} if fold else {}
+    backend, fmt, *option = name.split(":")
+    extra = {"fold": {"fold": True}, "b2": {"blocks": 2}}[option[0]] if option else {}
     f = jax.jit(lambda q, kv, mask, backend=backend, extra=extra: api.decode_attention(
         q, kv[0], kv[1], mask, implementation="pallas", backend=backend, **extra))
     for _ in range(args.reps):

@@ -151,6 +151,24 @@ def test_mosaic_kernel_lowers_for_cuda(fmt, fold):
                                                   backend="mosaic", splits=2, fold=fold))
   assert jax.export.export(f, platforms=["cuda"])(*args).out_avals[0].shape == (2, 32, 128)
 
+
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=fmt_id)
+def test_mosaic_kernel_with_two_blocks_a_step_lowers_for_cuda(fmt):
+  """Two 64-slot blocks a pipeline step (FP4 caches): lowered for CUDA; a bf16 cache takes one
+  block a step whatever is asked, and sizes that do not split into steps of 128 slots are
+  refused with what they need."""
+  args = jax.eval_shape(lambda: inputs(0, 2, 512, 4, 8, 128, fmt))
+  f = jax.jit(lambda q, k, v, m: decode_attention(q, k, v, m, implementation="pallas",
+                                                  backend="mosaic", splits=2, blocks=2))
+  assert jax.export.export(f, platforms=["cuda"])(*args).out_avals[0].shape == (2, 32, 128)
+  args16 = jax.eval_shape(lambda: inputs(0, 2, 512, 4, 8, 128, None))
+  assert jax.export.export(f, platforms=["cuda"])(*args16).out_avals[0].shape == (2, 32, 128)
+  q, k, v, mask = inputs(0, 2, 192, 4, 8, 128, fmt)
+  with pytest.raises(ValueError, match="slots \\(192\\) must be a multiple of 128"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", blocks=2)
+  with pytest.raises(ValueError, match="blocks must be one of \\(1, 2\\), got 3"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", blocks=3)
+
 def test_mosaic_kernel_takes_fp4_caches_whose_v_it_reads_from_registers_only():
   """An FP4 cache of head_dim 64 (or any not a multiple of 128) would take V through shared
   memory, in O^T tiles of head_dim / 2 rows, fewer than wgmma's 64: refused by `unsupported`
@@ -190,7 +208,8 @@ def _emulated_partials(fmt):
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
   def partials(q_t, mask, end, k_arrays, v_arrays, *, fmt, splits, max_concurrent_steps,
-               fold=False):  # (folded, the kernel's partials are the same: module docstring)
+               fold=False, blocks=1):  # (folded or blocks a step: the same partials)
+    assert mask.shape[1] % (64 * blocks * splits) == 0
     b, kv, dh, rows = q_t.shape
     s = mask.shape[1]
     k, v = cache(k_arrays, b, s, kv), cache(v_arrays, b, s, kv, v=True)
@@ -276,6 +295,10 @@ def test_mosaic_wrapper_around_an_emulated_kernel(fmt, monkeypatch):
   kp, vp = (poisoned_past(c, 1, 128, fmt) for c in (k, v))
   got = decode_attention(q, kp, vp, mask, implementation="pallas", backend="mosaic", splits=4)
   assert rel(got, want) < 4e-3
+  if fmt is not None:  # two blocks a step: steps of 128 slots, which two splits divide
+    got = decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", splits=2,
+                           blocks=2)
+    assert rel(got, want) < 4e-3
 
 
 def poisoned_past(cache, row, start, fmt):
@@ -331,23 +354,25 @@ def test_mosaic_backend_names_what_is_wrong():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,fold", [(None, False), (MXFP4, False), (MXFP4, True),
-                                      (NVFP4, False)], ids=lambda v: fmt_id(v) if v is None
-                         or hasattr(v, "name") else ("fold" if v else "unfolded"))
+@pytest.mark.parametrize("fmt,fold,blocks", [
+    (None, False, 1), (MXFP4, False, 1), (MXFP4, True, 1), (NVFP4, False, 1), (MXFP4, False, 2),
+    (NVFP4, False, 2)], ids=lambda v: fmt_id(v) if v is None or hasattr(v, "name") else (
+        ("fold" if v else "unfolded") if isinstance(v, bool) else f"b{v}"))
 @pytest.mark.parametrize("b,s,g,dh,splits", [
     (1, 512, 8, 128, None), (16, 2048, 8, 128, None), (5, 4096, 8, 128, 4),
     (3, 1024, 16, 128, None), (2, 1024, 1, 128, 2)])
-def test_mosaic_kernel_on_gpu(fmt, fold, b, s, g, dh, splits):
+def test_mosaic_kernel_on_gpu(fmt, fold, blocks, b, s, g, dh, splits):
   """Compiled on a Hopper GPU: 4 kv heads, ragged left-padded masks, fresh inputs a shape; MXFP4
   with its scales folded too, which gives the unfolded kernel's outputs but where terms of P V
-  below 2^-61 (which underflow float32 in the folded frame) reach the output."""
+  below 2^-61 (which underflow float32 in the folded frame) reach the output; FP4 caches two
+  64-slot blocks a step too."""
   from pallas_kernels.fp4_matmul import mosaic as mosaic_matmul
   if not mosaic_matmul.available():
     pytest.fail("the Mosaic kernel's GPU test needs a Hopper GPU")
   q, k, v, mask = inputs(b * s + g, b, s, 4, g, dh, fmt,
                          lengths=[s - 37 * i for i in range(b)])
   got = decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic",
-                         splits=splits, fold=fold)
+                         splits=splits, fold=fold, blocks=blocks)
   want = decode_attention(q, k, v, mask)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 4e-3
@@ -364,11 +389,13 @@ def test_mosaic_kernel_on_gpu(fmt, fold, b, s, g, dh, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,backend", [(MXFP4, "mosaic"), (MXFP4, "triton"), (NVFP4, "triton"),
-                                         (None, "triton"), (NVFP4, "mosaic"), (None, "mosaic")],
+                                         (None, "triton"), (NVFP4, "mosaic"), (None, "mosaic"),
+                                         (MXFP4, "mosaic b2"), (NVFP4, "mosaic b2")],
                          ids=lambda v: fmt_id(v) if v is None or hasattr(v, "name") else v)
 def test_compiled_kernels_on_partly_filled_caches(fmt, backend):
   """Compiled: sequences from empty to full in a 2048-slot cache, non-finite values past each
-  sequence's end (blocks, or the Mosaic kernel's splits, there must not be read)."""
+  sequence's end (blocks, or the Mosaic kernel's splits, there must not be read; with two blocks
+  a step, four splits of 512 slots: a split is skipped by where it starts in slots)."""
   from pallas_kernels.fp4_matmul import mosaic as mosaic_matmul
   if backend == "mosaic" and not mosaic_matmul.available():
     pytest.fail("the Mosaic kernel's GPU test needs a Hopper GPU")
@@ -379,6 +406,8 @@ def test_compiled_kernels_on_partly_filled_caches(fmt, backend):
     start = -(-n // 512) * 512  # past the last split (of 512 or fewer slots) that holds the end
     if start < 2048:
       k, v = (poisoned_past(c, row, start, fmt) for c in (k, v))
-  got = decode_attention(q, k, v, mask, implementation="pallas", backend=backend)
+  extra = dict(blocks=2, splits=4) if backend == "mosaic b2" else {}
+  got = decode_attention(q, k, v, mask, implementation="pallas", backend=backend.split()[0],
+                         **extra)
   assert np.isfinite(np.asarray(got, np.float32)).all()
   assert rel(got, want) < 4e-3
