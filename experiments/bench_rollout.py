@@ -20,7 +20,8 @@ transposed, where the engine's default "halves" order takes x as it is (`+halves
 default explicitly): `make_ops(fp4_order=...)`; `+apart` on a pallas variant the weights packed
 each on its own, where the weight sync packs q, k and v as one, and gate and up as one
 (`make_ops(fuse=False)`); `+fold` on an MXFP4 pallas variant the Mosaic kernels' decode with
-the scales folded, `engine.fold_scales`) and
+the scales folded, `engine.fold_scales`; `+b2` on an FP4 pallas variant the Mosaic attention's
+two 64-slot blocks a pipeline step, `RolloutEngine(attention_blocks=2)`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -74,7 +75,7 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "bf16:tokamax", "mxfp4:xla", "mxfp4:palla
 
 
 ORDER_SUFFIXES = ("+pairs", "+halves")
-SUFFIXES = ("+scan", "+w4a4", "+apart", "+fold", *ORDER_SUFFIXES)
+SUFFIXES = ("+scan", "+w4a4", "+apart", "+fold", "+b2", *ORDER_SUFFIXES)
 
 
 class Variant(NamedTuple):
@@ -87,11 +88,12 @@ class Variant(NamedTuple):
   order: str  # the FP4 weights' nibble order for the Mosaic matmuls
   fuse: bool  # the weight sync packs the projections of one input as one weight
   fold: bool = False  # the Mosaic kernels decode MXFP4 with the scales folded
+  blocks: int = 1  # the Mosaic attention's 64-slot blocks a pipeline step
 
 
 def parse_variant(v: str) -> Variant:
-  """A variant, "precision:kernels[:attention][+scan][+w4a4][+apart][+fold][+pairs|+halves]"
-  -> `Variant`."""
+  """A variant, "precision:kernels[:attention][+scan][+w4a4][+apart][+fold][+b2][+pairs|
+  +halves]" -> `Variant`."""
   name, flags = v, set()
   while name.endswith(SUFFIXES):
     suffix = next(x for x in SUFFIXES if name.endswith(x))
@@ -103,18 +105,20 @@ def parse_variant(v: str) -> Variant:
           flags & {"+w4a4", "+apart", *ORDER_SUFFIXES} and parts[1] != "pallas") or (
           flags & set(ORDER_SUFFIXES) and (parts[0] == "bf16" or "+w4a4" in flags)) or (
           set(ORDER_SUFFIXES) <= flags) or (
-          "+fold" in flags and (base != "mxfp4:pallas" or "+w4a4" in flags)):
+          "+fold" in flags and (base != "mxfp4:pallas" or "+w4a4" in flags)) or (
+          "+b2" in flags and (parts[0] == "bf16" or parts[1] != "pallas")):
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
                      "a pallas one with +w4a4 (the W4A4 matmuls), +apart (each projection "
                      "packed apart), mxfp4:pallas without +w4a4 with +fold (the scales folded) "
+                     "an FP4 pallas one with +b2 (two blocks a step of the Mosaic attention) "
                      "or, FP4 without +w4a4, "
                      "one of +pairs or +halves (the FP4 weights' nibble order; default "
                      f"{FP4_ORDER})")
   order = next((o[1:] for o in ORDER_SUFFIXES if o in flags), FP4_ORDER)
   return Variant(parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags, order,
-                 "+apart" not in flags, "+fold" in flags)
+                 "+apart" not in flags, "+fold" in flags, 2 if "+b2" in flags else 1)
 
 
 def random_cache(shapes: list, key) -> list:
@@ -426,7 +430,7 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
-    precision, kernels, attention, scan, w4a4, order, fuse, fold = parse_variant(variant)
+    precision, kernels, attention, scan, w4a4, order, fuse, fold, blocks = parse_variant(variant)
     # "triton": FP4 weights packed plainly; "tokamax" (bf16) lays nothing out
     layout = "pallas" if kernels == "pallas" else "xla"
     kernels = "pallas" if kernels == "triton" else kernels
@@ -446,7 +450,8 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
                           f"s_{layers}_layers": per_layer * layers}), flush=True)
     weights = packed[precision, layout, scan]
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention,
-                           scan_decode=scan, w4a4=w4a4, fold_scales=fold)
+                           scan_decode=scan, w4a4=w4a4, fold_scales=fold,
+                           attention_blocks=blocks)
     for b in batches:
       largest, compiled = b == "max", {}
       memory, stage = {}, "compiling the loop"

@@ -70,7 +70,7 @@ _FP4_CACHES = ("mxfp4", "nvfp4")
 
 def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16,
              w4a4: bool = False, fp4_order: str = FP4_ORDER, fuse: bool = True,
-             fold_scales: bool = False):
+             fold_scales: bool = False, attention_blocks: int = 1):
   """The rollout path's ops for `kernels` ("xla" | "pallas" | "tokamax": `TokamaxOps`, a bf16
   baseline on that package's kernels) and, under "pallas", the decode attention's backend
   ("auto" | "triton" | "mosaic"); act_dtype: the model's activations (the kernels take bf16).
@@ -81,7 +81,9 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   as one weight (`KernelOps.fuse`), or with False each apart. `fold_scales`: the Mosaic
   kernels decode MXFP4 weights and caches with each block's scale folded into one multiply a
   pair of values (the same outputs, for caches whose block scales lie within 2^-60 to 2^66:
-  `mosaic_attention.FOLD_REF`; not yet timed on a GPU)."""
+  `mosaic_attention.FOLD_REF`; 1-2% faster attention, no change in the 48-layer rollout on an
+  H100: BENCHMARKS.md). `attention_blocks`: 64-slot blocks a pipeline step of the Mosaic
+  attention over FP4 caches (`mosaic_attention.BLOCKS`; 2 not yet timed on a GPU)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if fp4_order not in FP4_ORDERS:
@@ -89,9 +91,12 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   if attention_kernel not in ATTENTION_KERNELS:
     raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
                      f"{attention_kernel!r}")
-  if kernels != "pallas" and (w4a4 or fold_scales):
-    raise ValueError(f"{'w4a4' if w4a4 else 'fold_scales'} runs the Pallas kernels: it needs "
-                     "kernels='pallas'")
+  if attention_blocks not in mosaic_attention.BLOCKS:
+    raise ValueError(f"attention_blocks must be one of {mosaic_attention.BLOCKS}, got "
+                     f"{attention_blocks!r}")
+  if kernels != "pallas" and (w4a4 or fold_scales or attention_blocks > 1):
+    what = "w4a4" if w4a4 else "fold_scales" if fold_scales else "attention_blocks > 1"
+    raise ValueError(f"{what} runs the Pallas kernels: it needs kernels='pallas'")
   if kernels == "xla":
     return XLA
   if kernels == "tokamax":
@@ -102,7 +107,8 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   if w4a4 and jax.default_backend() == "gpu" and not mosaic.available():
     raise ValueError("w4a4 needs Hopper's FP8 wgmma (the Mosaic GPU kernels); this GPU has none")
   return KernelOps(attention_kernel, w4a4=w4a4, fp4_order=fp4_order,
-                   fuse=FUSED if fuse else (), fold_scales=fold_scales)
+                   fuse=FUSED if fuse else (), fold_scales=fold_scales,
+                   attention_blocks=attention_blocks)
 
 
 def _interpret() -> bool:
@@ -207,7 +213,8 @@ MOSAIC_SPLIT_SLOTS = 1024
 
 def _mosaic_splits(programs: int, blocks: int, block_s: int) -> int:
   """The splits of the Mosaic attention: the occupancy's (`default_splits`), raised to the
-  fewest dividing the blocks with at most MOSAIC_SPLIT_SLOTS slots each."""
+  fewest dividing the blocks (its pipeline steps, of block_s slots each) with at most
+  MOSAIC_SPLIT_SLOTS slots each."""
   least = max(default_splits(programs, blocks), -(-blocks * block_s // MOSAIC_SPLIT_SLOTS))
   return next(n for n in range(least, blocks + 1) if blocks % n == 0)
 
@@ -217,12 +224,13 @@ def _mosaic_attention_runs() -> bool:
 
 
 def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
-               backend: str = "auto", fold: bool = False) -> jax.Array | None:
+               backend: str = "auto", fold: bool = False, blocks: int = 1) -> jax.Array | None:
   """One query per sequence against the whole cache by the kernel, or None where no kernel
   takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit).
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
   sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots (`fold`: MXFP4's scales folded, the
-  same outputs); elsewhere the Triton one runs. "auto" is "mosaic" for the formats of
+  same outputs; `blocks`: 64-slot blocks a pipeline step for FP4 caches whose slots they
+  divide, one otherwise); elsewhere the Triton one runs. "auto" is "mosaic" for the formats of
   MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the Mosaic kernel takes from
   registers, else "triton"."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
@@ -235,10 +243,12 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
     backend = "mosaic" if faster else "triton"
   if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
       kv, head_dim, q_BxHxDh.shape[1] // kv, fmt, slots):
-    blocks = slots // mosaic_attention.BLOCK_S
+    span = mosaic_attention.BLOCK_S * blocks
+    if fmt == "bf16" or slots % span:
+      blocks, span = 1, mosaic_attention.BLOCK_S
+    steps = slots // span
     return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", backend="mosaic",
-                            splits=_mosaic_splits(b * kv, blocks, mosaic_attention.BLOCK_S),
-                            fold=fold)
+                            splits=_mosaic_splits(b * kv, steps, span), fold=fold, blocks=blocks)
   block_s = _divisor(slots, (64, 32, 16))
   if block_s is None or not supports_attention(slots, head_dim, block_s):
     return None
@@ -300,6 +310,7 @@ class KernelOps(XlaOps):
   with the decode's 2^126 (one bf16x2 multiply a pair of values, not two) against a reference
   (the weight's `layout.fold_reference`, the attention's `FOLD_REF`) that they multiply back
   once; the same outputs (BENCHMARKS.md, "Where the MXFP4 attention waits").
+  `attention_blocks`: the Mosaic attention's 64-slot blocks a pipeline step over FP4 caches.
 
   `fp4_order`: the nibble order of the FP4 weights it tiles for the Mosaic matmuls
   (`layout.ORDERS`); the kernels read each weight's own, so weights tiled either way run.
@@ -314,10 +325,11 @@ class KernelOps(XlaOps):
 
   def __init__(self, attention_kernel: str = "auto", w4a4: bool = False,
                fp4_order: str = FP4_ORDER, fuse: tuple[tuple[str, ...], ...] = FUSED,
-               fold_scales: bool = False):
+               fold_scales: bool = False, attention_blocks: int = 1):
     self.attention_kernel = attention_kernel
     self.w4a4 = w4a4
     self.fold_scales = fold_scales
+    self.attention_blocks = attention_blocks
     self.fp4_order = fp4_order
     self.fuse = tuple(tuple(group) for group in fuse)
 
@@ -348,7 +360,7 @@ class KernelOps(XlaOps):
 
   def attention(self, q_BxHxDh, k, v, mask_BxS):
     return _attention(q_BxHxDh, k, v, mask_BxS, backend=self.attention_kernel,
-                      fold=self.fold_scales)
+                      fold=self.fold_scales, blocks=self.attention_blocks)
 
   def quantize(self, x, fmt, values: bool = False, rms_norm=None):
     return _quantize(x, fmt, values, rms_norm)

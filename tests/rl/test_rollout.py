@@ -492,6 +492,33 @@ def test_fold_scales_reach_the_mosaic_kernels(fold, monkeypatch):
     K.make_ops("xla", fold_scales=True)
 
 
+def test_attention_blocks_reach_the_mosaic_attention(monkeypatch):
+  """make_ops(attention_blocks=2): the Mosaic attention over an FP4 cache whose slots 128
+  divide takes two blocks a step, with splits of those steps; slots that 128 does not divide,
+  one; a bf16 cache runs the Triton attention (`auto`), or the Mosaic one block a step."""
+  from tests.pallas_kernels.test_decode_attention import inputs
+  from pallas_kernels import dispatch as K
+  from trace_jax.quant import MXFP4
+  called = []
+  monkeypatch.setattr(K, "_mosaic_attention_runs", lambda: True)
+  monkeypatch.setattr(K, "decode_attention", lambda *a, **kw: called.append(
+      (a[1].shape[1], kw.get("backend"), kw.get("blocks"), kw.get("splits"))))
+  ops = K.make_ops("pallas", attention_blocks=2)
+  ops.attention(*inputs(0, 2, 4096, 4, 2, 128, MXFP4))
+  ops.attention(*inputs(0, 2, 192, 4, 2, 128, MXFP4))
+  ops.attention(*inputs(0, 2, 4096, 4, 2, 128, None))
+  K.make_ops("pallas", "mosaic", attention_blocks=2).attention(
+      *inputs(0, 2, 4096, 4, 2, 128, None))
+  [(s, backend, blocks, splits), odd, bf16, bf16_mosaic] = called
+  assert (s, backend, blocks) == (4096, "mosaic", 2) and (4096 // 128) % splits == 0
+  assert odd[:3] == (192, "mosaic", 1) and bf16[1:3] == (None, None)
+  assert bf16_mosaic[:3] == (4096, "mosaic", 1)
+  with pytest.raises(ValueError, match="attention_blocks > 1 runs the Pallas kernels"):
+    K.make_ops("xla", attention_blocks=2)
+  with pytest.raises(ValueError, match="attention_blocks must be one of \\(1, 2\\)"):
+    K.make_ops("pallas", attention_blocks=4)
+
+
 @pytest.mark.parametrize("precision,order", [("mxfp4", "pairs"), ("nvfp4", "pairs"),
                                              ("mxfp4", "halves")])
 def test_weight_sync_for_the_kernels_tiles_fp4_projections(precision, order):

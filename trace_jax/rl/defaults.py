@@ -97,7 +97,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.engine.w4a4 = False
   # with kernels=pallas: the Mosaic kernels decode MXFP4 weights and KV caches with each block's
   # scale folded into one multiply a pair of values; the same outputs (the caches' block scales
-  # within 2^-60 to 2^66, pallas_kernels/decode_attention/mosaic.py). Off: not yet timed
+  # within 2^-60 to 2^66, pallas_kernels/decode_attention/mosaic.py). Off: 1-2% on the
+  # attention, nothing measurable in the 48-layer rollout (BENCHMARKS.md)
   c.engine.fold_scales = False
 
   c.optim = ml_collections.ConfigDict(dict(max_grad_norm=1.0, weight_decay=0.0, b2=0.99))
