@@ -504,15 +504,15 @@ def test_attention_blocks_reach_the_mosaic_attention(monkeypatch):
   monkeypatch.setattr(K, "decode_attention", lambda *a, **kw: called.append(
       (a[1].shape[1], kw.get("backend"), kw.get("blocks"), kw.get("splits"))))
   ops = K.make_ops("pallas", attention_blocks=2)
-  ops.attention(*inputs(0, 2, 4096, 4, 2, 128, MXFP4))
+  ops.attention(*inputs(0, 2, 1024, 4, 2, 128, MXFP4))
   ops.attention(*inputs(0, 2, 192, 4, 2, 128, MXFP4))
-  ops.attention(*inputs(0, 2, 4096, 4, 2, 128, None))
+  ops.attention(*inputs(0, 2, 1024, 4, 2, 128, None))
   K.make_ops("pallas", "mosaic", attention_blocks=2).attention(
-      *inputs(0, 2, 4096, 4, 2, 128, None))
+      *inputs(0, 2, 1024, 4, 2, 128, None))
   [(s, backend, blocks, splits), odd, bf16, bf16_mosaic] = called
-  assert (s, backend, blocks) == (4096, "mosaic", 2) and (4096 // 128) % splits == 0
+  assert (s, backend, blocks) == (1024, "mosaic", 2) and (1024 // 128) % splits == 0
   assert odd[:3] == (192, "mosaic", 1) and bf16[1:3] == (None, None)
-  assert bf16_mosaic[:3] == (4096, "mosaic", 1)
+  assert bf16_mosaic[:3] == (1024, "mosaic", 1)
   with pytest.raises(ValueError, match="attention_blocks > 1 runs the Pallas kernels"):
     K.make_ops("xla", attention_blocks=2)
   with pytest.raises(ValueError, match="attention_blocks must be one of \\(1, 2\\)"):
