@@ -111,8 +111,8 @@ def parse_variant(v: str) -> Variant:
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
                      "a pallas one with +w4a4 (the W4A4 matmuls), +apart (each projection "
-                     "packed apart), mxfp4:pallas without +w4a4 with +fold (the scales folded) "
-                     "an FP4 pallas one with +b2 (two blocks a step of the Mosaic attention) "
+                     "packed apart), mxfp4:pallas without +w4a4 with +fold (the scales folded), "
+                     "an FP4 pallas one with +b2 (two blocks a step of the Mosaic attention), "
                      "or, FP4 without +w4a4, "
                      "one of +pairs or +halves (the FP4 weights' nibble order; default "
                      f"{FP4_ORDER})")
