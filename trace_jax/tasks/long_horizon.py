@@ -98,13 +98,15 @@ class RunningSumTask:
         train_size=self.train_size, eval_size=self.eval_size, seed=self.seed)
     return datasets.prepare(RunningSumEpisodes, config, data_dir)
 
-  def _ops(self, record: Record) -> tuple[int, ...]:
+  def _episode(self, record: Record) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return _episode(datasets.text(record["ops"]), int(record["start"]), self.modulus,
-                    self.turns)[0]
+                    self.turns)
+
+  def _ops(self, record: Record) -> tuple[int, ...]:
+    return self._episode(record)[0]
 
   def totals(self, record: Record) -> tuple[int, ...]:
-    return _episode(datasets.text(record["ops"]), int(record["start"]), self.modulus,
-                    self.turns)[1]
+    return self._episode(record)[1]
 
   def prompt(self, record: Record) -> str:
     start = int(record["start"]) % self.modulus
