@@ -67,3 +67,11 @@ def test_a_recorded_layer_without_records_rounds_to_nearest():
   out = jax.jit(trainer._forward)(params, batch)
   want = jax.jit(functools.partial(recompute, cfg, recipe=setup.train))(params, tokens, valid)
   np.testing.assert_array_equal(np.asarray(out.logp), np.asarray(want.logp))
+
+
+@pytest.mark.parametrize("warmup", [-1, 7])
+def test_warmup_steps_outside_the_warm_start_are_refused(warmup):
+  c = config("trace", "sft.steps=6", f"sft.warmup_steps={warmup}")
+  with pytest.raises(ValueError, match=rf"sft.warmup_steps \({warmup}\) must be within 0 and "
+                                       r"sft.steps \(6\)"):
+    validate(c, n_devices=1)

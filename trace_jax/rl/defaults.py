@@ -47,8 +47,10 @@ def base_config() -> ml_collections.ConfigDict:
   # checkpoint of step `steps` this run starts RL from, instead of its own warm start: its
   # policy, optimizer state and metric rows, evaluated again at this run's rollout precision.
   # Runs that compare modes then start RL from one policy (experiments/ablation.py); train the
-  # warm start once with rl.steps=0
-  c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3, init_from=""))
+  # warm start once with rl.steps=0. warmup_steps: the rate rises linearly to lr over the first
+  # steps (0: lr from the first step)
+  c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3, warmup_steps=0,
+                                         init_from=""))
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 500

@@ -71,7 +71,8 @@ class Run:
                         aux_coef=c.rl.aux_coef, minibatches=c.rl.minibatches,
                         routing_replay=c.rl.routing_replay, temperature=c.rl.temperature,
                         remat=c.rl.remat)
-    optimizer = make_optimizer(c.sft.lr, c.rl.lr, c.sft.steps, max_grad_norm=c.optim.max_grad_norm,
+    optimizer = make_optimizer(c.sft.lr, c.rl.lr, c.sft.steps, sft_warmup=c.sft.warmup_steps,
+                               max_grad_norm=c.optim.max_grad_norm,
                                weight_decay=c.optim.weight_decay, b2=c.optim.b2)
     self.trainer = Trainer(self.cfg, self.setup, optimizer, options)
     # single-turn answers end at <eos>; multi-turn episodes run a fixed number of tokens

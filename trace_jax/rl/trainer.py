@@ -87,11 +87,15 @@ def mode_setup(mode: str, fp4: str = "mxfp4", trace_layers: str = "last:2",
                    setup.records)
 
 
-def make_optimizer(lr_sft: float, lr_rl: float, sft_steps: int, *, max_grad_norm: float = 1.0,
-                   weight_decay: float = 0.0, b2: float = 0.99) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping; the warm start and RL have their own learning rates."""
-  schedule = optax.join_schedules([optax.constant_schedule(lr_sft),
-                                   optax.constant_schedule(lr_rl)], [sft_steps])
+def make_optimizer(lr_sft: float, lr_rl: float, sft_steps: int, *, sft_warmup: int = 0,
+                   max_grad_norm: float = 1.0, weight_decay: float = 0.0,
+                   b2: float = 0.99) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping; the warm start and RL have their own learning rates.
+  `sft_warmup`: the warm start's rate rises linearly over its first steps, lr_sft x (step + 1)
+  / sft_warmup, then stays at lr_sft (0: lr_sft from the first step)."""
+  def sft(step):
+    return lr_sft * jnp.minimum(1.0, (step + 1) / sft_warmup) if sft_warmup > 0 else lr_sft
+  schedule = optax.join_schedules([sft, optax.constant_schedule(lr_rl)], [sft_steps])
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                      optax.adamw(schedule, b2=b2, weight_decay=weight_decay))
 

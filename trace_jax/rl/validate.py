@@ -115,6 +115,9 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   if c.sft.steps < 0 or c.rl.steps < 0 or c.sft.steps + c.rl.steps == 0:
     raise ValueError(f"sft.steps ({c.sft.steps}) and rl.steps ({c.rl.steps}) must be >= 0 and "
                      "not both 0")
+  if not 0 <= c.sft.warmup_steps <= c.sft.steps:
+    raise ValueError(f"sft.warmup_steps ({c.sft.warmup_steps}) must be within 0 and sft.steps "
+                     f"({c.sft.steps}): the steps over which the warm start's rate rises")
   if c.sft.init_from:
     checkpoints = os.path.join(c.sft.init_from, "checkpoints")
     if c.sft.steps == 0:
