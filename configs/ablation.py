@@ -44,7 +44,7 @@ SCALES = ("cpu", "gpu")
 # 0.05 (nothing to learn from); 3 terms of up to 2 digits, 500 supervised and 200 RL steps,
 # went 0.445 -> 0.540 in 3.5 minutes. Long-horizon's warm start, timed on an H100 (2026-12-07,
 # RESULTS.md): 1.1 s a step of 32 episodes, its loss at ln(10)/2 (uniform digits) from step 22
-# to 140, then falling; 400 steps keep 250 past that. Its RL step and coding are not yet timed.
+# to 140, then falling; 400 steps keep ~260 past that. Its RL step and coding are not yet timed.
 GPU_ABLATION = {"log.flip_rate_every": 5}
 GPU_SCHEDULE = {
     "reasoning": {"task.reasoning.min_terms": 3, "task.reasoning.max_terms": 3,

@@ -73,7 +73,7 @@ def time_calls(matmul, x, weights, reps: int = 7) -> tuple[float, float | None]:
 def copy_bandwidth(gib: float = 2.0, reps: int = 7) -> float:
   """Bytes read plus written per second by a large device-to-device copy (PyTorch's copy_
   where torch sees the GPU, else an XLA elementwise pass). On a CPU the copy takes at most
-  0.25 GiB, still ten times a large last-level cache: the benchmarks run there only to check
+  0.25 GiB, still several times a large last-level cache: the benchmarks run there only to check
   themselves, and 2 GiB took ~18 s on 2 cores for the same bandwidth."""
   try:
     import torch

@@ -22,4 +22,3 @@ def test_the_warm_start_ramps_its_learning_rate_over_its_warmup_steps():
   flat = make_optimizer(lr_sft, lr_rl, sft_steps)  # no warmup: sft.lr from the first step
   updates, _ = flat.update(grads, flat.init(params), params)
   np.testing.assert_allclose(float(jnp.abs(updates["w"]).mean()), lr_sft, rtol=1e-3)
-
