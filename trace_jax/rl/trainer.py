@@ -93,8 +93,8 @@ def make_optimizer(lr_sft: float, lr_rl: float, sft_steps: int, *, sft_warmup: i
   """AdamW with global-norm clipping; the warm start and RL have their own learning rates.
   `sft_warmup`: the warm start's rate rises linearly over its first steps, lr_sft x (step + 1)
   / sft_warmup, then stays at lr_sft (0: lr_sft from the first step)."""
-  def sft(step):
-    return lr_sft * jnp.minimum(1.0, (step + 1) / sft_warmup) if sft_warmup > 0 else lr_sft
+  sft = (optax.linear_schedule(lr_sft / sft_warmup, lr_sft, sft_warmup - 1) if sft_warmup > 1
+         else optax.constant_schedule(lr_sft))
   schedule = optax.join_schedules([sft, optax.constant_schedule(lr_rl)], [sft_steps])
   return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                      optax.adamw(schedule, b2=b2, weight_decay=weight_decay))
