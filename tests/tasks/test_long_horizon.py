@@ -70,3 +70,61 @@ def test_episodes_share_one_kv_cache_and_mask_observations(episodes, precision, 
     assert M.flip_rates(cfg, recipe, batch.codes, out.codes, everywhere,
                         routes_rollout=batch.routes, routes_train=out.routes)[
         "mismatch/flip_rate"] == 0.0
+
+
+def _by_extend_and_run(engine, weights, task, records, tok, prompt_width, key):
+  """The episodes as two programs a turn (`run`, then `extend` with the host's observation)."""
+  from trace_jax.data.pipeline import left_pad
+  tokens, lengths = left_pad([tok.encode(task.prompt(r)) for r in records], prompt_width,
+                             tok.pad_id)
+  state = engine.start(weights, tokens, lengths, key, prompt_width + episode_length(task))
+  for turn in range(task.max_turns):
+    first = int(state["t"])
+    state = engine.run(weights, state, first + task.answer_len - 1)
+    answers = np.asarray(state["tokens"])[:, first:first + task.answer_len]
+    if turn + 1 < task.max_turns:
+      obs = [tok.encode(task.step(r, turn, tok.decode(a)).observation)
+             for r, a in zip(records, answers)]
+      state = engine.extend(weights, state, np.asarray(obs, np.int32))
+  return engine.finish(state, prompt_width)
+
+
+def test_a_turn_in_one_program_gives_the_batch_of_extend_then_run(episodes):
+  task, sources = episodes
+  tok = CharTokenizer(task.alphabet())
+  cfg = tiny(vocab_size=tok.vocab_size)
+  recipe = QuantRecipe.uniform("mxfp4")
+  weights = pack_weights(cfg, init_params(cfg, jax.random.PRNGKey(0)), recipe)
+  engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=1), records="last:1",
+                         attn_chunk=16)
+  records = [sources["train"][i] for i in range(4)]
+  batch, _ = rollout(engine, weights, task, records, tok, 8, jax.random.PRNGKey(3))
+  other = _by_extend_and_run(engine, weights, task, records, tok, 8, jax.random.PRNGKey(3))
+  for name in ("tokens", "valid", "response_mask", "logp", "records", "routes", "stats"):
+    jax.tree.map(np.testing.assert_array_equal, getattr(batch, name), getattr(other, name))
+  # each turn's answer is the tokens sampled after its observation
+  state = engine.start(weights, np.ones((4, 8), np.int32), np.full(4, 8), jax.random.PRNGKey(1),
+                       8 + episode_length(task))
+  state, first = engine.turn(weights, state, None, 2, 8)
+  t = int(state["t"])
+  state, second = engine.turn(weights, state, np.full((4, 4), 3, np.int32), 2, t)
+  assert t == 9 and int(state["t"]) == t + 4 + 2
+  tokens = np.asarray(state["tokens"])
+  np.testing.assert_array_equal(first, tokens[:, 8:10])
+  np.testing.assert_array_equal(tokens[:, 10:14], 3)
+  np.testing.assert_array_equal(second, tokens[:, 14:16])
+
+
+def test_a_turn_that_does_not_fit_names_the_sizes(episodes):
+  task, _ = episodes
+  cfg = tiny(vocab_size=40)
+  recipe = QuantRecipe.uniform("bf16")
+  weights = pack_weights(cfg, init_params(cfg, jax.random.PRNGKey(0)), recipe)
+  engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=1), attn_chunk=16)
+  state = engine.start(weights, np.ones((2, 4), np.int32), np.full(2, 4), jax.random.PRNGKey(0),
+                       12)
+  with pytest.raises(ValueError, match="observation of 6 tokens and an answer of 3 do not fit "
+                                       "after position 4 of 12"):
+    engine.turn(weights, state, np.ones((2, 6), np.int32), 3, 4)
+  with pytest.raises(ValueError, match=r"observation tokens \(3, 2\) for a batch of 2"):
+    engine.turn(weights, state, np.ones((3, 2), np.int32), 2, 4)

@@ -40,17 +40,19 @@ def rollout(engine: RolloutEngine, weights, task, records, tokenizer, prompt_wid
 
   state = engine.start(weights, tokens, lengths, key, prompt_width + episode_length(task))
   rewards = np.zeros(len(mine), np.float32)
+  # a turn is one program (the observation appended, the answer sampled) and one wait for its
+  # answer; the host tracks where the state is (`t`, read with the answer)
+  t, obs = prompt_width, None
   for turn in range(task.max_turns):
-    first = int(state["t"])  # the answer's first token is sampled already
-    state = engine.run(weights, state, first + task.answer_len - 1)
-    answers = layout.local(state["tokens"])[:, first:first + task.answer_len]
+    state, answers = engine.turn(weights, state, obs, task.answer_len, t)
+    answers, t = layout.local(answers), int(state["t"])
     steps = [task.step(r, turn, tokenizer.decode(a)) for r, a in zip(mine, answers)]
     rewards += [s.reward for s in steps]
     if turn + 1 < task.max_turns:
       obs = [tokenizer.encode(s.observation) for s in steps]
       if any(len(o) != task.observation_len for o in obs):
         raise ValueError(f"{task.name}: observations must be {task.observation_len} tokens")
-      state = engine.extend(weights, state, layout.put(np.asarray(obs, np.int32), n))
+      obs = layout.put(np.asarray(obs, np.int32), n)
   return engine.finish(state, prompt_width), layout.gather(rewards / task.max_turns, n)
 
 

@@ -155,6 +155,7 @@ class RolloutEngine:
     self._prefill_jit = jax.jit(self._prefill, static_argnums=(4,))
     self._decode_jit = jax.jit(self._decode, donate_argnums=(1,))
     self._extend_jit = jax.jit(self._extend, donate_argnums=(1,))
+    self._turn_jit = jax.jit(self._turn, donate_argnums=(1,), static_argnums=(3,))
 
   def generate(self, weights: RolloutWeights, prompts_BxP, lengths_B, key) -> RolloutBatch:
     """Single-turn: up to `max_new_tokens` sampled tokens per prompt, or until a stop token."""
@@ -198,6 +199,24 @@ class RolloutEngine:
                        f"{state['tokens'].shape[0]} with {state['tokens'].shape[1] - end} "
                        "positions left")
     return self._extend_jit(weights, state, tokens_BxT)
+
+  def turn(self, weights, state: dict, tokens_BxT, answer_len: int, t: int) -> tuple[dict, jax.Array]:
+    """One turn of a multi-turn episode as one program: `extend` by the observation
+    `tokens_BxT` (None on the first turn, whose first token `start` sampled), then `run` until the
+    answer holds `answer_len` tokens -> (state, the answer's tokens [B, answer_len]). `t`: the
+    state's `t` as the host last saw it (the prompt width after `start`, `int(state["t"])` after
+    a turn), for the bounds check: the host need not wait for the device between the two."""
+    n = 0 if tokens_BxT is None else tokens_BxT.shape[1]
+    total = state["tokens"].shape[1]
+    if tokens_BxT is not None:
+      tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
+      if tokens_BxT.ndim != 2 or tokens_BxT.shape[0] != state["tokens"].shape[0]:
+        raise ValueError(f"turn: observation tokens {tokens_BxT.shape} for a batch of "
+                         f"{state['tokens'].shape[0]}")
+    if answer_len < 1 or t + n + answer_len > total:
+      raise ValueError(f"turn: an observation of {n} tokens and an answer of {answer_len} do not "
+                       f"fit after position {t} of {total}")
+    return self._turn_jit(weights, state, tokens_BxT, answer_len)
 
   def finish(self, state: dict, prompt_width: int) -> RolloutBatch:
     total = state["tokens"].shape[1]
@@ -291,3 +310,10 @@ class RolloutEngine:
   def _extend(self, weights, state, tokens_BxT):
     pending = jax.lax.dynamic_slice_in_dim(state["tokens"], state["t"], 1, 1)
     return self._advance(weights, state, jnp.concatenate([pending, tokens_BxT], axis=1))
+
+  def _turn(self, weights, state, tokens_BxT, answer_len):
+    if tokens_BxT is not None:
+      state = self._extend(weights, state, tokens_BxT)
+    first = state["t"]  # the answer's first token, sampled already
+    state = self._decode(weights, {**state, "limit": first + answer_len - 1})
+    return state, jax.lax.dynamic_slice_in_dim(state["tokens"], first, answer_len, 1)
