@@ -16,7 +16,11 @@ how the CPU results were made: there the modes' warm starts agree to float32 rou
 Rerunning the command resumes unfinished runs and skips finished ones; results accumulate in
 <out>: a run recorded in <out>/summary.json whose directory is gone (a fresh clone holds the
 two files alone) is kept, not rerun, and families and seeds this invocation does not name stay
-as they were, so more seeds can be added later, on another machine. Then, per family:
+as they were, so more seeds can be added later, on another machine. A seed's shared warm
+start made again (its directory gone, as on a fresh GPU machine) must repeat the one that seed's
+recorded runs started from (each run's `warm_start_id`, a fingerprint of the warm start's
+losses): another, e.g. made on another device kind, stops the invocation before any mode trains,
+naming those runs. Then, per family:
 
 - post-hoc FP4: each seed's BF16-trained policy quantized to MXFP4 after training and evaluated
   by the FP4 rollout engine, against the FP4 policies the FP4 modes trained;
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -190,6 +195,40 @@ def probe(workdir: str) -> list[dict]:
   return mismatch.probe_precision(run.cfg, state["params"], "mxfp4", prompts, pc)
 
 
+def warm_start_id(rows: list[dict], steps: int) -> str | None:
+  """A fingerprint of the warm start a run's metric rows record (its first `steps` rows, the
+  supervised ones; a run that takes a shared warm start copies that run's): the loss and
+  gradient norm of every step, as written. Two runs whose ids agree started RL from warm starts
+  that computed the same numbers at every step; a warm start made again on another device kind
+  (whose sums need not repeat) gets another id. None: no supervised step."""
+  sft = [[r["step"], r.get("train/loss"), r.get("train/grad_norm")] for r in rows
+         if r["step"] < steps]
+  return hashlib.sha256(json.dumps(sft).encode()).hexdigest()[:16] if sft else None
+
+
+def check_warm_start(summary: dict, family: str, seed: int, workdir: str, steps: int,
+                     device: str) -> None:
+  """Raises SystemExit where the shared warm start in `workdir` is another than the one the
+  runs of that family and seed recorded in `summary` started from (their `warm_start_id`): the
+  modes of a seed are compared from one policy, so a seed's runs are trained from one warm start
+  (made again, e.g. on a fresh machine, it must repeat bit for bit, as deterministic ops do on
+  one device kind)."""
+  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    return
+  mine = warm_start_id(read_metrics(workdir), steps)
+  if mine is None:
+    return
+  other = {key: run for key, run in summary.get(family, {}).get("runs", {}).items()
+           if key.endswith(f"/seed{seed}") and run.get("warm_start_id") not in (None, mine)}
+  if other:
+    key, run = sorted(other.items())[0]
+    sys.exit(f"the warm start of {family} seed {seed} in {workdir} (made on {device}; id "
+             f"{mine}) is another than the one {', '.join(sorted(other))} started RL from "
+             f"(id {run['warm_start_id']}, made on {run.get('device')}): the seed's other "
+             "modes would start from another policy. Train them on that device kind, or remove "
+             f"those runs from {curves.SUMMARY} to train the seed's modes again")
+
+
 def _main_command(arg: str, workdir: str, data_dir: str = "") -> str:
   return (f"python -m trace_jax.main --config=configs/ablation.py:{arg} --workdir={workdir}"
           + (f" --config.data_dir={data_dir}" if data_dir else ""))
@@ -201,13 +240,14 @@ def run_results(family: str, mode: str, seed: int, workdir: str, c, smoke: bool 
   one that trains its warm start where it took another run's: `init_from`) and its curves,
   both from its metrics.jsonl."""
   arg = config_arg(family, mode, seed, smoke, scale, init_from)
+  rows = read_metrics(workdir)
   summary = {**summarize(workdir, c), "config_arg": arg,
              "command": _main_command(arg, workdir, c.data_dir),
-             "config": json.loads(c.to_json())}
+             "config": json.loads(c.to_json()), "warm_start_id": warm_start_id(rows, c.sft.steps)}
   if init_from:
     summary["warm_start_command"] = _main_command(warm_arg(family, seed, smoke, scale),
                                                   init_from, c.data_dir)
-  return summary, curves.run_curves(read_metrics(workdir))
+  return summary, curves.run_curves(rows)
 
 
 def markdown_table(summary: dict, families) -> str:
@@ -469,6 +509,10 @@ def main(argv=None):
     try:  # the shared warm starts first: the runs start from them
       warm = _warm_starts(to_train, args)
       failed = train_in_processes(warm, args.jobs, cache_dir) if warm else []
+      for name in sorted({_warm_name(name) for name, _, _ in to_train}
+                         if args.warm_start == "shared" else ()):
+        if name not in failed:
+          _check_shared(summary, name, args)
       failed += [name for name, _, _ in to_train if _warm_name(name) in failed]
       failed += train_in_processes([r for r in to_train if r[0] not in failed], args.jobs,
                                    cache_dir, on_finished=on_finished)
@@ -498,6 +542,7 @@ def main(argv=None):
             continue
           if init_from:
             _train_warm_start(family, seed, args)
+            _check_shared(summary, f"{family}/{WARM}/seed{seed}", args)
           print(f"== {family} / {mode} / seed {seed} -> {workdir}", flush=True)
           train(c, workdir, progress=False)
         if f"{family}/{key}" not in recorded_now:
@@ -556,6 +601,15 @@ def _train_warm_start(family: str, seed: int, args) -> None:
   if not finished(workdir, c):
     print(f"== {family} / {WARM} / seed {seed} -> {workdir}", flush=True)
     train(c, workdir, progress=False)
+
+
+def _check_shared(summary: dict, name: str, args) -> None:
+  """`check_warm_start` for the shared warm start `name` ("family/warm_start/seedS")."""
+  family, _, seed = name.split("/")
+  seed = int(seed.removeprefix("seed"))
+  c = _config(warm_arg(family, seed, args.smoke, args.scale))
+  check_warm_start(summary, family, seed, warm_dir(args.out, family, seed), c.sft.steps,
+                   jax.devices()[0].device_kind)
 
 
 def _warm_starts(to_train, args) -> list[tuple[str, list[str], str]]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,3 +263,71 @@ def test_one_process_trains_each_shared_warm_start_once_before_its_seeds_first_r
       (os.path.join("reasoning", "bf16", "seed1"), steps, warm(1)),
       (os.path.join("reasoning", "trace", "seed0"), steps, warm(0)),
       (os.path.join("reasoning", "trace", "seed1"), steps, warm(1))]
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_seeds_modes_are_trained_from_the_warm_start_its_recorded_runs_took(tmp_path,
+                                                                              monkeypatch, jobs):
+  """A shared warm start made again (a fresh machine: the run directories gone, summary.json
+  kept) must be the one the seed's recorded runs started from, as their `warm_start_id` (from
+  the warm start's rows) says; another (e.g. made on another device kind) stops the invocation
+  before any mode trains, naming the runs."""
+  out, trained, order = tmp_path / "results", set(), []
+  losses = {"value": 1.5}
+
+  def train(c, workdir, progress=True):
+    order.append(os.path.relpath(workdir, out))
+    os.makedirs(workdir)
+    trained.add(workdir)
+    if c.rl.steps == 0:  # a warm start: its rows
+      with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        for step in range(c.sft.steps):
+          f.write(json.dumps({"step": step, "train/loss": losses["value"] / (step + 1),
+                              "train/grad_norm": 2.0, "phase": "sft"}) + "\n")
+
+  def pool(runs, jobs, cache=None, on_finished=None):  # --jobs: the same, a process a run
+    warm = ablation.run_config("reasoning", "bf16", 0, smoke=True)
+    warm.rl.steps = 0
+    for name, _, workdir in runs:
+      is_warm = name.split("/")[1] == ablation.WARM
+      train(warm if is_warm else ablation.run_config("reasoning", "bf16", 0, smoke=True),
+            workdir)
+      if on_finished and not is_warm:
+        on_finished(name)
+    return []
+
+  def results(family, mode, seed, workdir, c, smoke=False, scale="cpu", init_from=""):
+    rows = ablation.read_metrics(init_from)  # a shared warm start's rows, as the run copies them
+    return {"eval_accuracy_after": 0.25, "warm_start_id": ablation.warm_start_id(
+        rows, c.sft.steps), "config_arg": ablation.config_arg(
+            family, mode, seed, smoke, scale, init_from)}, {"step": [1]}
+
+  monkeypatch.setattr(ablation, "finished", lambda workdir, c: workdir in trained)
+  monkeypatch.setattr(ablation, "run_results", results)
+  monkeypatch.setattr(ablation, "fp4_eval", lambda workdir: 0.125)
+  monkeypatch.setattr(ablation, "_report", lambda data, args: None)
+  monkeypatch.setattr(ablation, "train", train)
+  monkeypatch.setattr(ablation, "train_in_processes", pool)
+  main = lambda modes: ablation.main([
+      "--smoke", f"--out={out}", f"--figures={tmp_path / 'f'}", "--families=reasoning",
+      f"--modes={modes}", "--seeds=0", "--warm_start=shared", "--compile_cache=none",
+      f"--data_dir={tmp_path / 'tfds'}", f"--jobs={jobs}"])
+  main("bf16")
+  runs = json.load(open(out / "summary.json"))["reasoning"]["runs"]
+  assert runs["bf16/seed0"]["warm_start_id"] is not None
+  # a fresh machine: the directories gone; the warm start made again, the same numbers
+  shutil.rmtree(out / "reasoning")
+  trained.clear()
+  main("bf16,trace")
+  assert order[-2:] == [os.path.join("reasoning", "warm_start", "seed0"),
+                        os.path.join("reasoning", "trace", "seed0")]
+  runs = json.load(open(out / "summary.json"))["reasoning"]["runs"]
+  assert runs["trace/seed0"]["warm_start_id"] == runs["bf16/seed0"]["warm_start_id"]
+  # again, and the warm start now computes other numbers: nothing more trains
+  shutil.rmtree(out / "reasoning")
+  trained.clear()
+  losses["value"] = 1.25
+  with pytest.raises(SystemExit, match=r"the warm start of reasoning seed 0 in .* is another "
+                                       r"than the one bf16/seed0, trace/seed0 started RL from"):
+    main("bf16,trace,fp4_qat")
+  assert order[-1] == os.path.join("reasoning", "warm_start", "seed0")
