@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from experiments import ablation, bench_compile, bench_rollout, figures
+from experiments import ablation, bench_compile, bench_rollout, bench_train_attention, figures
 from tests.test_main import TIMING
 from tests.test_results import NOTEBOOK, assert_summary_matches_curves, execute_notebook
 
@@ -133,3 +133,14 @@ def test_bench_compile_times_each_program_and_compares_two_runs(tmp_path, capsys
   lines = capsys.readouterr().out.splitlines()
   assert lines[0].startswith("| layers | GRPO step (before) | GRPO step (after) |")
   assert len(lines) == 4 and lines[2].startswith("| 1 | ")
+
+
+def test_bench_train_attention_times_each_variant_against_the_first(tmp_path):
+  bench_train_attention.main(["--batch=2", "--tokens=96", "--reps=2", f"--out={tmp_path}",
+                              "--variants=heads_apart,full_attention"])
+  rows = json.load(open(tmp_path / "bench_train_attention.json"))["rows"]
+  assert [r["variant"] for r in rows] == ["heads_apart", "full_attention"]
+  assert all(r["ms"] > 0 and r["repeats"] for r in rows)
+  assert rows[1]["loss_rel"] == 0.0 and rows[1]["dq_rel"] == 0.0  # the same numbers
+  with pytest.raises(SystemExit):
+    bench_train_attention.main(["--variants=flash"])
