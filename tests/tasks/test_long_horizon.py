@@ -128,3 +128,10 @@ def test_a_turn_that_does_not_fit_names_the_sizes(episodes):
     engine.turn(weights, state, np.ones((2, 6), np.int32), 3, 4)
   with pytest.raises(ValueError, match=r"observation tokens \(3, 2\) for a batch of 2"):
     engine.turn(weights, state, np.ones((3, 2), np.int32), 2, 4)
+  # the pending token at 4, the observation at 5-10, the answer would take 11 and 12 (of 0-11)
+  with pytest.raises(ValueError, match="observation of 6 tokens and an answer of 2 do not fit"):
+    engine.turn(weights, state, np.ones((2, 6), np.int32), 2, 4)
+  with pytest.raises(ValueError, match="observation of 0 tokens and an answer of 9 do not fit"):
+    engine.turn(weights, state, None, 9, 4)  # the answer from 4: up to 11 fits, 12 does not
+  state, answer = engine.turn(weights, state, np.ones((2, 5), np.int32), 2, 4)
+  assert answer.shape == (2, 2) and int(state["t"]) == 11

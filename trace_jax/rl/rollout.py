@@ -200,7 +200,8 @@ class RolloutEngine:
                        "positions left")
     return self._extend_jit(weights, state, tokens_BxT)
 
-  def turn(self, weights, state: dict, tokens_BxT, answer_len: int, t: int) -> tuple[dict, jax.Array]:
+  def turn(self, weights, state: dict, tokens_BxT, answer_len: int,
+           t: int) -> tuple[dict, jax.Array]:
     """One turn of a multi-turn episode as one program: `extend` by the observation
     `tokens_BxT` (None on the first turn, whose first token `start` sampled), then `run` until the
     answer holds `answer_len` tokens -> (state, the answer's tokens [B, answer_len]). `t`: the
@@ -213,7 +214,9 @@ class RolloutEngine:
       if tokens_BxT.ndim != 2 or tokens_BxT.shape[0] != state["tokens"].shape[0]:
         raise ValueError(f"turn: observation tokens {tokens_BxT.shape} for a batch of "
                          f"{state['tokens'].shape[0]}")
-    if answer_len < 1 or t + n + answer_len > total:
+    # the answer's last token: after the pending token at t and the observation, if any
+    last = t + answer_len - 1 + (n + 1 if tokens_BxT is not None else 0)
+    if answer_len < 1 or last >= total:
       raise ValueError(f"turn: an observation of {n} tokens and an answer of {answer_len} do not "
                        f"fit after position {t} of {total}")
     return self._turn_jit(weights, state, tokens_BxT, answer_len)
