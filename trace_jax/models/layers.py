@@ -133,8 +133,11 @@ def full_attention(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, valid_BxT) -> jax.Array:
   The G query heads of a kv head are laid out as one run of G x T rows ([B, K, G*T, Dh]), so
   that each matmul of the backward pass, K's and V's gradients included (sums over G and T),
   contracts one dimension of the score matrix as it lies, and the [T, T] matrices are not
-  transposed in memory: the same products and sums as heads and positions kept apart, bit for
-  bit (tests/models/test_layers.py), at 1.5x the speed forward and backward on CPU."""
+  transposed in memory: the same products and sums as heads and positions kept apart, at 1.5x
+  the speed forward and backward on CPU. Compiled alone, the outputs and gradients are those of
+  heads apart bit for bit (tests/models/test_model.py); inside a whole trainer step XLA may
+  order a gradient's sums otherwise (seen on CPU: the same log-probabilities, parameter
+  gradients that differ in bf16 rounding)."""
   b, t, h, dh = q_BxTxHxDh.shape
   kv = k_BxTxKxDh.shape[2]
   g = h // kv
