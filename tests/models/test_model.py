@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.bench_train_attention import heads_apart
 from trace_jax import quant
 from trace_jax.models import layers as L
 from trace_jax.models import stacks
@@ -206,18 +207,6 @@ def test_routing_sorts_once(shape, experts, k):
   assert _count(jax.make_jaxpr(route)(probs).jaxpr, lambda e: e.primitive.name == "sort") == 1
 
 
-def _attention_heads_apart(q, k, v, valid):
-  """The trainer's attention with query heads and positions kept apart ([B, K, G, T, S])."""
-  b, t, h, dh = q.shape
-  kv = k.shape[2]
-  s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kv, h // kv, dh), k,
-                 preferred_element_type=jnp.float32) * (dh**-0.5)
-  mask = jnp.tril(jnp.ones((t, t), bool))[None, None, None] & valid[:, None, None, None, :]
-  p = jax.nn.softmax(jnp.where(mask, s, L._MASKED), axis=-1).astype(q.dtype)
-  o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
-  return o.reshape(b, t, h, dh).astype(q.dtype)
-
-
 @pytest.mark.parametrize("h,kv", [(8, 2), (4, 4)])
 def test_the_trainers_attention_is_the_heads_apart_one_bit_for_bit(h, kv):
   """`full_attention` lays a kv head's query heads out as one run of rows (for its backward
@@ -236,7 +225,7 @@ def test_the_trainers_attention_is_the_heads_apart_one_bit_for_bit(h, kv):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
   np.testing.assert_array_equal(L.full_attention(q, k, v, valid),
-                                _attention_heads_apart(q, k, v, valid))
+                                heads_apart(q, k, v, valid))
   for got, want in zip(jax.tree.leaves(grads(L.full_attention)),
-                       jax.tree.leaves(grads(_attention_heads_apart))):
+                       jax.tree.leaves(grads(heads_apart))):
     np.testing.assert_array_equal(got, want)
