@@ -221,7 +221,7 @@ def check_warm_start(summary: dict, family: str, seed: int, workdir: str, steps:
   other = {key: run for key, run in summary.get(family, {}).get("runs", {}).items()
            if key.endswith(f"/seed{seed}") and run.get("warm_start_id") not in (None, mine)}
   if other:
-    key, run = sorted(other.items())[0]
+    _, run = sorted(other.items())[0]
     sys.exit(f"the warm start of {family} seed {seed} in {workdir} (made on {device}; id "
              f"{mine}) is another than the one {', '.join(sorted(other))} started RL from "
              f"(id {run['warm_start_id']}, made on {run.get('device')}): the seed's other "
