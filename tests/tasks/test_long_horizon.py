@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from trace_jax.data.pipeline import left_pad
 from trace_jax.data.tokenizer import CharTokenizer
 from trace_jax.models import QuantRecipe, init_params, pack_weights, tiny
 from trace_jax.rl import metrics as M
@@ -74,7 +75,6 @@ def test_episodes_share_one_kv_cache_and_mask_observations(episodes, precision, 
 
 def _by_extend_and_run(engine, weights, task, records, tok, prompt_width, key):
   """The episodes as two programs a turn (`run`, then `extend` with the host's observation)."""
-  from trace_jax.data.pipeline import left_pad
   tokens, lengths = left_pad([tok.encode(task.prompt(r)) for r in records], prompt_width,
                              tok.pad_id)
   state = engine.start(weights, tokens, lengths, key, prompt_width + episode_length(task))
