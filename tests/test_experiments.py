@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from experiments import ablation, bench_compile, bench_rollout, bench_train_attention, figures
+from experiments import (ablation, bench_compile, bench_episodes, bench_rollout,
+                         bench_train_attention, figures)
 from tests.test_main import TIMING
 from tests.test_results import NOTEBOOK, assert_summary_matches_curves, execute_notebook
 
@@ -144,3 +145,15 @@ def test_bench_train_attention_times_each_variant_against_the_first(tmp_path):
   assert rows[1]["loss_rel"] == 0.0 and rows[1]["dq_rel"] == 0.0  # the same numbers
   with pytest.raises(SystemExit):
     bench_train_attention.main(["--variants=flash"])
+
+
+def test_bench_episodes_times_the_turn_program_and_the_loop_it_replaced(tmp_path):
+  bench_episodes.main([
+      "--config_arg=family=long_horizon,mode=trace,seed=0,smoke,task.long_horizon.turns=3",
+      "--reps=1", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path}"])
+  out = json.load(open(tmp_path / "bench_episodes.json"))
+  assert out["turns"] == 3 and [r["loop"] for r in out["rows"]] == ["turn", "extend_run"]
+  assert all(r["s"] > 0 and r["ms_a_turn"] == pytest.approx(1000 * r["s"] / 3)
+             for r in out["rows"])
+  with pytest.raises(SystemExit):
+    bench_episodes.main(["--config_arg=family=reasoning,smoke", "--reps=1"])

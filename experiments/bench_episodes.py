@@ -1,0 +1,106 @@
+"""The multi-turn rollout of a long-horizon RL step, timed: one program a turn or two.
+
+    python experiments/bench_episodes.py                                  # the CPU config
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true python experiments/bench_episodes.py \
+        --config_arg=family=long_horizon,mode=trace,seed=0,scale=gpu --out=DIR
+
+The policy of `configs/ablation.py:<--config_arg>` (randomly initialised, packed for its
+rollout engine as the RL loop does) plays the episodes of its first RL step's prompts (each
+`rl.group_size` times) with the RL engine. `turn`: the RL loop's rollout
+(`trace_jax.rl.episodes.rollout`: a turn is one program, `RolloutEngine.turn`, and one wait for
+its answer); `extend_run`: the loop it replaced (`run` for the answer, then `extend` by the
+observation: two programs and three host reads a turn). Each is run `--reps` times after one
+call that compiles; the median, and the milliseconds a turn. Both give the same batch (the
+test suite checks it); timings count on a GPU, compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from configs.ablation import get_config  # noqa: E402
+from trace_jax.data.pipeline import left_pad  # noqa: E402
+from trace_jax.data.tokenizer import CharTokenizer  # noqa: E402
+from trace_jax.rl import episodes  # noqa: E402
+from trace_jax.rl.loop import Run  # noqa: E402
+from trace_jax.rl.validate import make_task, validate  # noqa: E402
+
+
+def extend_run(engine, weights, task, records, tok, prompt_width, key):
+  """The multi-turn rollout before `RolloutEngine.turn`: `run`, then `extend`, a turn."""
+  tokens, lengths = left_pad([tok.encode(task.prompt(r)) for r in records], prompt_width,
+                             tok.pad_id)
+  state = engine.start(weights, tokens, lengths, key,
+                       prompt_width + episodes.episode_length(task))
+  for turn in range(task.max_turns):
+    first = int(state["t"])
+    state = engine.run(weights, state, first + task.answer_len - 1)
+    answers = np.asarray(state["tokens"])[:, first:first + task.answer_len]
+    if turn + 1 < task.max_turns:
+      obs = [tok.encode(task.step(r, turn, tok.decode(a)).observation)
+             for r, a in zip(records, answers)]
+      state = engine.extend(weights, state, np.asarray(obs, np.int32))
+  return engine.finish(state, prompt_width)
+
+
+def turn(engine, weights, task, records, tok, prompt_width, key):
+  return episodes.rollout(engine, weights, task, records, tok, prompt_width, key)[0]
+
+
+LOOPS = {"turn": turn, "extend_run": extend_run}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config_arg", default="family=long_horizon,mode=trace,seed=0",
+                      help="configs/ablation.py's argument (a long-horizon family's)")
+  parser.add_argument("--loops", default=",".join(LOOPS))
+  parser.add_argument("--reps", type=int, default=2)
+  parser.add_argument("--workdir", default="/tmp/bench_episodes")
+  parser.add_argument("--out", default="")
+  args = parser.parse_args(argv)
+  loops = [v for v in args.loops.split(",") if v]
+  unknown = sorted(set(loops) - set(LOOPS))
+  if unknown:
+    parser.error(f"unknown --loops {unknown}; choose from {tuple(LOOPS)}")
+  c = get_config(args.config_arg)
+  validate(c)
+  task = make_task(c.task)
+  if task.max_turns == 1:
+    parser.error(f"--config_arg={args.config_arg!r}: a single-turn family; take long_horizon")
+  run = Run(c, args.workdir, CharTokenizer(task.alphabet()))
+  weights = run.rollout_weights(run.initial_state()["params"])
+  records = [r for r in run.rl_batches[0] for _ in range(c.rl.group_size)]
+  out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "config_arg": args.config_arg, "episodes": len(records), "turns": task.max_turns,
+         "rows": []}
+  for name in loops:
+    times = []
+    for i in range(args.reps + 1):  # the first compiles
+      start = time.perf_counter()
+      batch = LOOPS[name](run.engine, weights, task, records, run.tok, c.max_prompt_len,
+                          jax.random.PRNGKey(i))
+      jax.block_until_ready(batch.tokens)
+      times.append(time.perf_counter() - start)
+    row = {"loop": name, "first_call_s": times[0], "s": float(np.median(times[1:])),
+           "ms_a_turn": 1000 * float(np.median(times[1:])) / task.max_turns}
+    out["rows"].append(row)
+    print(json.dumps(row), flush=True)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_episodes.json"), "w") as fh:
+      json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
