@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from trace_jax.data.pipeline import left_pad
+from experiments.bench_episodes import extend_run
 from trace_jax.data.tokenizer import CharTokenizer
 from trace_jax.models import QuantRecipe, init_params, pack_weights, tiny
 from trace_jax.rl import metrics as M
@@ -73,22 +73,6 @@ def test_episodes_share_one_kv_cache_and_mask_observations(episodes, precision, 
         "mismatch/flip_rate"] == 0.0
 
 
-def _by_extend_and_run(engine, weights, task, records, tok, prompt_width, key):
-  """The episodes as two programs a turn (`run`, then `extend` with the host's observation)."""
-  tokens, lengths = left_pad([tok.encode(task.prompt(r)) for r in records], prompt_width,
-                             tok.pad_id)
-  state = engine.start(weights, tokens, lengths, key, prompt_width + episode_length(task))
-  for turn in range(task.max_turns):
-    first = int(state["t"])
-    state = engine.run(weights, state, first + task.answer_len - 1)
-    answers = np.asarray(state["tokens"])[:, first:first + task.answer_len]
-    if turn + 1 < task.max_turns:
-      obs = [tok.encode(task.step(r, turn, tok.decode(a)).observation)
-             for r, a in zip(records, answers)]
-      state = engine.extend(weights, state, np.asarray(obs, np.int32))
-  return engine.finish(state, prompt_width)
-
-
 def test_a_turn_in_one_program_gives_the_batch_of_extend_then_run(episodes):
   task, sources = episodes
   tok = CharTokenizer(task.alphabet())
@@ -99,7 +83,7 @@ def test_a_turn_in_one_program_gives_the_batch_of_extend_then_run(episodes):
                          attn_chunk=16)
   records = [sources["train"][i] for i in range(4)]
   batch, _ = rollout(engine, weights, task, records, tok, 8, jax.random.PRNGKey(3))
-  other = _by_extend_and_run(engine, weights, task, records, tok, 8, jax.random.PRNGKey(3))
+  other = extend_run(engine, weights, task, records, tok, 8, jax.random.PRNGKey(3))
   for name in ("tokens", "valid", "response_mask", "logp", "records", "routes", "stats"):
     jax.tree.map(np.testing.assert_array_equal, getattr(batch, name), getattr(other, name))
   # each turn's answer is the tokens sampled after its observation
