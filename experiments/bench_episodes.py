@@ -11,7 +11,10 @@ rollout engine as the RL loop does) plays the episodes of its first RL step's pr
 its answer); `extend_run`: the loop it replaced (`run` for the answer, then `extend` by the
 observation: two programs and three host reads a turn). Each is run `--reps` times after one
 call that compiles; the median, and the milliseconds a turn. Both give the same batch (the
-test suite checks it); timings count on a GPU, compare ratios within one run.
+test suite checks it); timings count on a GPU, compare ratios within one run. The `host` row
+times the environment's share of `turn` alone: the last batch's answers decoded, stepped and
+their observations encoded turn by turn, as the loop does, without the device (what a loop
+that kept the turns on the device would save at most, besides the waits).
 """
 
 from __future__ import annotations
@@ -60,6 +63,21 @@ def turn(engine, weights, task, records, tok, prompt_width, key):
 LOOPS = {"turn": turn, "extend_run": extend_run}
 
 
+def host_share(task, records, tok, tokens, prompt_width) -> float:
+  """Seconds of `episodes.rollout`'s host work for a finished batch `tokens` [n, prompt_width
+  + episode]: each turn's answers decoded, the task stepped and the observations encoded."""
+  answers = np.asarray(tokens)[:, prompt_width:]
+  span = task.answer_len + task.observation_len
+  start = time.perf_counter()
+  for turn in range(task.max_turns):
+    at = turn * span
+    steps = [task.step(r, turn, tok.decode(a)) for r, a in
+             zip(records, answers[:, at:at + task.answer_len])]
+    if turn + 1 < task.max_turns:
+      np.asarray([tok.encode(s.observation) for s in steps], np.int32)
+  return time.perf_counter() - start
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config_arg", default="family=long_horizon,mode=trace,seed=0",
@@ -94,6 +112,12 @@ def main(argv=None):
       times.append(time.perf_counter() - start)
     row = {"loop": name, "first_call_s": times[0], "s": float(np.median(times[1:])),
            "ms_a_turn": 1000 * float(np.median(times[1:])) / task.max_turns}
+    out["rows"].append(row)
+    print(json.dumps(row), flush=True)
+  if "turn" in loops:
+    s = float(np.median([host_share(task, records, run.tok, batch.tokens, c.max_prompt_len)
+                         for _ in range(args.reps)]))
+    row = {"loop": "host", "s": s, "ms_a_turn": 1000 * s / task.max_turns}
     out["rows"].append(row)
     print(json.dumps(row), flush=True)
   if args.out:
