@@ -72,6 +72,72 @@ def torch_sdpa_seconds(b: int, s: int, copies: int) -> float | None:
   return cuda_event_seconds(torch, sdpa, caches)
 
 
+def _shape(result, b, s, key, configs, formats):
+  """Every variant at batch b and context s, its rows appended to `result`."""
+  bf16_bytes = 2 * b * s * KV_HEADS * HEAD_DIM * 2
+  copies = min(64, max(2, int(np.ceil(300e6 / (bf16_bytes / 3.5)))))  # FP4 > L2 x 6
+  kq, kc = jax.random.split(jax.random.fold_in(key, b * s))
+  q = jax.random.normal(kq, (b, HEADS, HEAD_DIM), jnp.bfloat16)
+  mask = jnp.ones((b, s), bool)
+  io_bytes = 2 * b * HEADS * HEAD_DIM * 2
+
+  def cache(i):
+    k1, k2 = jax.random.split(jax.random.fold_in(kc, i))
+    shape = (b, s, KV_HEADS, HEAD_DIM)
+    return (jax.random.normal(k1, shape, jnp.bfloat16),
+            jax.random.normal(k2, shape, jnp.bfloat16))
+
+  bf16 = [cache(i) for i in range(copies)]
+  packed = {f.name: [(quantize(k, f), quantize(v, f)) for k, v in bf16]
+            for f in (MXFP4, NVFP4) if f.name in formats}
+
+  def record(variant, times, kv_bytes, rel, extra=None):
+    wall, device = times
+    seconds = device or wall
+    moved = kv_bytes + io_bytes
+    result["rows"].append({"batch": b, "context": s, "variant": variant,
+                           "us": seconds * 1e6, "wall_us": wall * 1e6,
+                           "GB/s": moved / seconds / 1e9,
+                           "copy_frac": moved / seconds / result["copy_bytes_per_s"],
+                           "rel_err": rel, "kernels_us": dict(KERNELS) if device else {},
+                           **(extra or {})})
+    print(json.dumps(result["rows"][-1]), flush=True)  # partial results survive a timeout
+
+  def attempt(fn, what):  # a variant that fails to lower or run is reported, not fatal
+    try:
+      fn()
+    except Exception as e:  # noqa: BLE001
+      result["errors"].append(f"B={b} S={s} {what}: {type(e).__name__}: {str(e)[:300]}")
+      print("ERROR", result["errors"][-1], flush=True)
+
+  xla = lambda x, kv: reference.decode_attention(x[0], kv[0], kv[1], x[1])
+  ref16 = jax.jit(xla)((q, mask), bf16[0])
+  record("xla bf16", time_calls(xla, (q, mask), bf16), bf16_bytes, 0.0)
+  for cfg in [c for c in configs if not c.get("fold") and c.get("blocks", 1) == 1
+              ] if "bf16" in formats else ():
+    p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
+                                                    implementation="pallas", **cfg)
+    attempt(lambda p=p, cfg=cfg: record(
+        "pallas bf16", time_calls(p, (q, mask), bf16), bf16_bytes,
+        _rel(jax.jit(p)((q, mask), bf16[0]), ref16), {"config": label(cfg), **cfg}),
+        f"pallas bf16 {label(cfg)}")
+  t = torch_sdpa_seconds(b, s, len(bf16)) if "bf16" in formats else None
+  if t is not None:
+    record("torch sdpa bf16", (t, None), bf16_bytes, float("nan"))
+  for fmt, caches in packed.items():
+    kv_bytes = caches[0][0].nbytes + caches[0][1].nbytes
+    ref = jax.jit(xla)((q, mask), caches[0])
+    if fmt == "mxfp4":
+      record(f"xla {fmt} dequant", time_calls(xla, (q, mask), caches), kv_bytes, 0.0)
+    for cfg in [c for c in configs if fmt == "mxfp4" or not c.get("fold")]:
+      p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
+                                                      implementation="pallas", **cfg)
+      attempt(lambda p=p, cfg=cfg, caches=caches, kv_bytes=kv_bytes, ref=ref, fmt=fmt: record(
+          f"pallas {fmt}", time_calls(p, (q, mask), caches), kv_bytes,
+          _rel(jax.jit(p)((q, mask), caches[0]), ref), {"config": label(cfg), **cfg}),
+          f"pallas {fmt} {label(cfg)}")
+
+
 def run(batches=BATCHES, contexts=CONTEXTS, configs=None, formats=FORMATS) -> dict:
   result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "copy_bytes_per_s": copy_bandwidth(), "rows": [], "errors": []}
@@ -82,68 +148,11 @@ def run(batches=BATCHES, contexts=CONTEXTS, configs=None, formats=FORMATS) -> di
   key = jax.random.PRNGKey(0)
   for b in batches:
     for s in contexts:
-      bf16_bytes = 2 * b * s * KV_HEADS * HEAD_DIM * 2
-      copies = min(64, max(2, int(np.ceil(300e6 / (bf16_bytes / 3.5)))))  # FP4 > L2 x 6
-      kq, kc = jax.random.split(jax.random.fold_in(key, b * s))
-      q = jax.random.normal(kq, (b, HEADS, HEAD_DIM), jnp.bfloat16)
-      mask = jnp.ones((b, s), bool)
-      io_bytes = 2 * b * HEADS * HEAD_DIM * 2
-
-      def cache(i):
-        k1, k2 = jax.random.split(jax.random.fold_in(kc, i))
-        shape = (b, s, KV_HEADS, HEAD_DIM)
-        return (jax.random.normal(k1, shape, jnp.bfloat16),
-                jax.random.normal(k2, shape, jnp.bfloat16))
-
-      bf16 = [cache(i) for i in range(copies)]
-      packed = {f.name: [(quantize(k, f), quantize(v, f)) for k, v in bf16]
-                for f in (MXFP4, NVFP4) if f.name in formats}
-
-      def record(variant, times, kv_bytes, rel, extra=None):
-        wall, device = times
-        seconds = device or wall
-        moved = kv_bytes + io_bytes
-        result["rows"].append({"batch": b, "context": s, "variant": variant,
-                               "us": seconds * 1e6, "wall_us": wall * 1e6,
-                               "GB/s": moved / seconds / 1e9,
-                               "copy_frac": moved / seconds / result["copy_bytes_per_s"],
-                               "rel_err": rel, "kernels_us": dict(KERNELS) if device else {},
-                               **(extra or {})})
-        print(json.dumps(result["rows"][-1]), flush=True)  # partial results survive a timeout
-
-      def attempt(fn, what):  # a variant that fails to lower or run is reported, not fatal
-        try:
-          fn()
-        except Exception as e:  # noqa: BLE001
-          result["errors"].append(f"B={b} S={s} {what}: {type(e).__name__}: {str(e)[:300]}")
-          print("ERROR", result["errors"][-1], flush=True)
-
-      xla = lambda x, kv: reference.decode_attention(x[0], kv[0], kv[1], x[1])
-      ref16 = jax.jit(xla)((q, mask), bf16[0])
-      record("xla bf16", time_calls(xla, (q, mask), bf16), bf16_bytes, 0.0)
-      for cfg in [c for c in configs if not c.get("fold") and c.get("blocks", 1) == 1
-                  ] if "bf16" in formats else ():
-        p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
-                                                        implementation="pallas", **cfg)
-        attempt(lambda p=p, cfg=cfg: record(
-            "pallas bf16", time_calls(p, (q, mask), bf16), bf16_bytes,
-            _rel(jax.jit(p)((q, mask), bf16[0]), ref16), {"config": label(cfg), **cfg}),
-            f"pallas bf16 {label(cfg)}")
-      t = torch_sdpa_seconds(b, s, len(bf16)) if "bf16" in formats else None
-      if t is not None:
-        record("torch sdpa bf16", (t, None), bf16_bytes, float("nan"))
-      for fmt, caches in packed.items():
-        kv_bytes = caches[0][0].nbytes + caches[0][1].nbytes
-        ref = jax.jit(xla)((q, mask), caches[0])
-        if fmt == "mxfp4":
-          record(f"xla {fmt} dequant", time_calls(xla, (q, mask), caches), kv_bytes, 0.0)
-        for cfg in [c for c in configs if fmt == "mxfp4" or not c.get("fold")]:
-          p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
-                                                          implementation="pallas", **cfg)
-          attempt(lambda p=p, cfg=cfg, caches=caches, kv_bytes=kv_bytes, ref=ref, fmt=fmt: record(
-              f"pallas {fmt}", time_calls(p, (q, mask), caches), kv_bytes,
-              _rel(jax.jit(p)((q, mask), caches[0]), ref), {"config": label(cfg), **cfg}),
-              f"pallas {fmt} {label(cfg)}")
+      try:  # a shape that fails (the memory of an 80 GB GPU at B = 64 x 128K) is one error
+        _shape(result, b, s, key, configs, formats)
+      except Exception as e:  # noqa: BLE001
+        result["errors"].append(f"B={b} S={s}: {type(e).__name__}: {str(e)[:300]}")
+        print("ERROR", result["errors"][-1], flush=True)
   return result
 
 
