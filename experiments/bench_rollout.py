@@ -224,13 +224,17 @@ def decode_state(engine: RolloutEngine, weights, batch: int, context: int, steps
 
 def decode_memory(compiled, weights, state) -> dict:
   """What the compiled decode loop holds on the device: its weights and state (the
-  arguments, the state's buffers donated) and the temporaries XLA allocates beyond them; a
-  temporary the size of the weights is a copy of them, which halves the batch that fits."""
+  arguments, the state's buffers donated), the temporaries XLA allocates beyond them (a
+  temporary the size of the weights is a copy of them, which halves the batch that fits), and
+  its outputs that XLA does not write into the donated state's buffers (`unaliased_bytes`: new
+  buffers beside the state while the loop runs)."""
   stats = compiled.memory_analysis()
   if stats is None:
     return {}
   return {"weights_bytes": _nbytes(weights), "state_bytes": _nbytes(state),
-          "temp_bytes": int(stats.temp_size_in_bytes)}
+          "temp_bytes": int(stats.temp_size_in_bytes),
+          "unaliased_bytes": max(0, int(stats.output_size_in_bytes)
+                                 - int(stats.alias_size_in_bytes))}
 
 
 def _nbytes(tree) -> int:
@@ -305,11 +309,11 @@ def check_fits(memory: dict, batch: int) -> None:
   stats = memory_stats()
   if not memory or "bytes_limit" not in stats:
     return
-  need = memory["state_bytes"] + memory["temp_bytes"]
+  need = memory["state_bytes"] + memory["temp_bytes"] + memory.get("unaliased_bytes", 0)
   free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
   if need > free:
-    raise MemoryError(f"B={batch} does not fit: its decode state and temporaries take "
-                      f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB are free")
+    raise MemoryError(f"B={batch} does not fit: its decode state, temporaries and outputs not "
+                      f"written in place take {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are free")
 
 
 MAX_MULTIPLE = 8  # `--batches=max` runs the largest multiple of this that fits
@@ -317,16 +321,17 @@ MAX_MULTIPLE = 8  # `--batches=max` runs the largest multiple of this that fits
 
 def loop_bytes(engine, weights, batch: int, context: int, steps: int, slots: int | None = None,
                compiled: dict | None = None) -> int:
-  """The bytes the decode loop at `batch` takes with its weights: the weights, its state and
-  XLA's temporaries (`decode_memory` of the loop compiled from shapes: nothing allocated);
-  `compiled` keeps (decode, memory) by batch for the run to reuse."""
+  """The bytes the decode loop at `batch` takes with its weights: the weights, its state,
+  XLA's temporaries and the outputs not written in place (`decode_memory` of the loop compiled
+  from shapes: nothing allocated); `compiled` keeps (decode, memory) by batch for the run to reuse."""
   shapes = jax.eval_shape(lambda k: decode_state(engine, weights, batch, context, steps, k, slots),
                           jax.random.PRNGKey(batch))
   decode = engine.compiled_decode(weights, shapes)
   memory = decode_memory(decode, weights, shapes)
   if compiled is not None:
     compiled[batch] = decode, memory
-  return memory["weights_bytes"] + memory["state_bytes"] + memory["temp_bytes"]
+  return (memory["weights_bytes"] + memory["state_bytes"] + memory["temp_bytes"]
+          + memory["unaliased_bytes"])
 
 
 def largest_batch(engine, weights, context: int, steps: int, budget: int,

@@ -162,6 +162,31 @@ def test_run_counts_the_largest_batch_from_the_devices_memory(monkeypatch):
   assert "decode_memory" in result["rows"][0]
 
 
+def test_decode_memory_counts_the_outputs_the_loop_does_not_write_in_place(monkeypatch):
+  """The decode loop's outputs that XLA does not alias to its donated state are new buffers
+  beside it (at 32K on an H100, B = 64 fit by the count and ran out of memory in its first
+  call, allocating one layer's cache codes): `decode_memory` counts them and `check_fits` asks
+  for them. The CPU loop writes its whole state in place."""
+  import types
+
+  import numpy as np
+  stats = types.SimpleNamespace(temp_size_in_bytes=5, output_size_in_bytes=1000,
+                                alias_size_in_bytes=600)
+  compiled = types.SimpleNamespace(memory_analysis=lambda: stats)
+  memory = bench_rollout.decode_memory(compiled, [np.zeros(10, np.int8)],
+                                       [np.zeros(100, np.int8)])
+  assert memory == {"weights_bytes": 10, "state_bytes": 100, "temp_bytes": 5,
+                    "unaliased_bytes": 400}
+  result = bench_rollout.run(1, [2], 48, 16, ["mxfp4:xla"], preset="tiny")
+  cpu = result["rows"][0]["decode_memory"]
+  assert 0 <= cpu["unaliased_bytes"] < cpu["state_bytes"] / 50, cpu
+  monkeypatch.setattr(bench_rollout, "memory_stats",
+                      lambda: {"bytes_limit": 1000, "bytes_in_use": 550})
+  with pytest.raises(MemoryError, match="state, temporaries and outputs not written in place "
+                                        "take 0.0 GB"):
+    bench_rollout.check_fits(memory, 8)  # 505 fit in the 450 free; 905 do not
+
+
 def test_a_batch_that_does_not_fit_is_refused_before_its_state_is_made(monkeypatch):
   """The decode loop is compiled from shapes and its state and temporaries counted against the
   device's free memory first: a batch beyond it is one error naming the bytes, and no state is
