@@ -44,7 +44,11 @@ SCALES = ("cpu", "gpu")
 # 0.05 (nothing to learn from); 3 terms of up to 2 digits, 500 supervised and 200 RL steps,
 # went 0.445 -> 0.540 in 3.5 minutes. Long-horizon's warm start, timed on an H100 (2026-12-07,
 # RESULTS.md): 1.1 s a step of 32 episodes, its loss at ln(10)/2 (uniform digits) from step 22
-# to 140, then falling; 400 steps keep ~260 past that. Its RL step and coding are not yet timed.
+# to 140, then falling; 400 steps keep ~260 past that. Its RL step on the same GPU (2026-12-07,
+# XLA's engine): 6.6 s of rollout and 4.2 s of training after the compiling steps; its rollout
+# on the engine's Pallas kernels took 3.4 s against XLA's 5.3 (BENCHMARKS.md), so long-horizon
+# rolls out on them (reasoning's prefill-heavy rollout stays on XLA, the faster there). Coding
+# is not yet timed.
 GPU_ABLATION = {"log.flip_rate_every": 5}
 GPU_SCHEDULE = {
     "reasoning": {"task.reasoning.min_terms": 3, "task.reasoning.max_terms": 3,
@@ -56,7 +60,7 @@ GPU_SCHEDULE = {
     # batch of 8 asked for a 29.9 GB buffer on CPU
     "long_horizon": {"task.long_horizon.turns": 256, "sft.steps": 400, "sft.batch_size": 32,
                      "rl.steps": 60, "rl.prompts_per_step": 16, "eval.size": 50,
-                     "eval.batch_size": 50, "rl.remat": "layer"}}
+                     "eval.batch_size": 50, "rl.remat": "layer", "engine.kernels": "pallas"}}
 
 
 def _family_config(family: str):
