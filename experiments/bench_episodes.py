@@ -14,7 +14,9 @@ call that compiles; the median, and the milliseconds a turn. Both give the same 
 test suite checks it); timings count on a GPU, compare ratios within one run. The `host` row
 times the environment's share of `turn` alone: the last batch's answers decoded, stepped and
 their observations encoded turn by turn, as the loop does, without the device (what a loop
-that kept the turns on the device would save at most, besides the waits).
+that kept the turns on the device would save at most, besides the waits). `--profile` (GPU):
+one more `turn` rollout under the profiler, its kernels' summed device time and launches a
+turn and the share of the rollout's wall time the device was busy, and its largest kernels.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs.ablation import get_config  # noqa: E402
+from pallas_kernels.timing import kernel_times  # noqa: E402
 from trace_jax.data.pipeline import left_pad  # noqa: E402
 from trace_jax.data.tokenizer import CharTokenizer  # noqa: E402
 from trace_jax.rl import episodes  # noqa: E402
@@ -63,6 +66,23 @@ def turn(engine, weights, task, records, tok, prompt_width, key):
 LOOPS = {"turn": turn, "extend_run": extend_run}
 
 
+def profile_turns(rollout, turns: int, wall_s: float, top: int = 12) -> dict | None:
+  """Where a rollout's device time goes (`rollout()`, compiled before): the kernels' summed
+  microseconds and launches a turn, the device-busy share of `wall_s` (the rollout's median
+  wall time), and the `top` kernels by time; None without a GPU trace."""
+  launches: dict[str, int] = {}
+  times = kernel_times(rollout, launches=launches)
+  if times is None:
+    return None
+  busy = sum(times.values())
+  largest = sorted(times, key=times.get, reverse=True)[:top]
+  return {"loop": "turn (profiled)", "kernel_us_a_turn": busy / turns,
+          "launches_a_turn": sum(launches.values()) / turns,
+          "device_busy_frac": busy / 1e6 / wall_s,
+          "largest": {n: {"us_a_turn": times[n] / turns, "launches_a_turn": launches[n] / turns}
+                      for n in largest}}
+
+
 def host_share(task, records, tok, tokens, prompt_width) -> float:
   """Seconds of `episodes.rollout`'s host work for a finished batch `tokens` [n, prompt_width
   + episode]: each turn's answers decoded, the task stepped and the observations encoded."""
@@ -86,6 +106,8 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=2)
   parser.add_argument("--workdir", default="/tmp/bench_episodes")
   parser.add_argument("--out", default="")
+  parser.add_argument("--profile", action="store_true",
+                      help="one more `turn` rollout under the profiler (GPU)")
   args = parser.parse_args(argv)
   loops = [v for v in args.loops.split(",") if v]
   unknown = sorted(set(loops) - set(LOOPS))
@@ -118,6 +140,15 @@ def main(argv=None):
     s = float(np.median([host_share(task, records, run.tok, batch.tokens, c.max_prompt_len)
                          for _ in range(args.reps)]))
     row = {"loop": "host", "s": s, "ms_a_turn": 1000 * s / task.max_turns}
+    out["rows"].append(row)
+    print(json.dumps(row), flush=True)
+  if args.profile and "turn" in loops:
+    wall = next(r["s"] for r in out["rows"] if r["loop"] == "turn")
+    row = profile_turns(lambda: turn(run.engine, weights, task, records, run.tok,
+                                     c.max_prompt_len, jax.random.PRNGKey(0)).tokens,
+                        task.max_turns, wall)
+    if row is None:
+      row = {"loop": "turn (profiled)", "error": "no GPU trace on this device"}
     out["rows"].append(row)
     print(json.dumps(row), flush=True)
   if args.out:

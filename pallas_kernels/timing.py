@@ -17,10 +17,11 @@ import jax.numpy as jnp
 KERNELS: dict[str, float] = {}  # per kernel name: microseconds per call, of the last trace
 
 
-def kernel_times(fn, *args) -> dict[str, float] | None:
+def kernel_times(fn, *args, launches: dict[str, int] | None = None) -> dict[str, float] | None:
   """Microseconds per kernel name (summed over launches) in a profiler trace of one call of
   `fn(*args)` (which has run before: compiled), on the device's streams, copies and memsets
-  left out. None where the trace has no GPU plane (CPU)."""
+  left out. None where the trace has no GPU plane (CPU). `launches`, if given, gets the number
+  of launches of each name."""
   from jax.profiler import ProfileData
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp):
@@ -34,6 +35,8 @@ def kernel_times(fn, *args) -> dict[str, float] | None:
     for e in (e for l in lines for e in l.events):
       if not e.name.lower().startswith(("memcpy", "memset")):
         times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.duration_ns / 1e3
+        if launches is not None:
+          launches[e.name[:60]] = launches.get(e.name[:60], 0) + 1
   return times
 
 

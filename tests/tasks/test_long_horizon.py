@@ -119,3 +119,25 @@ def test_a_turn_that_does_not_fit_names_the_sizes(episodes):
     engine.turn(weights, state, None, 9, 4)  # the answer from 4: up to 11 fits, 12 does not
   state, answer = engine.turn(weights, state, np.ones((2, 5), np.int32), 2, 4)
   assert answer.shape == (2, 2) and int(state["t"]) == 11
+
+
+def test_the_episode_bench_profile_divides_the_trace_by_the_turns(monkeypatch):
+  """`bench_episodes --profile`: the trace's kernel time and launches a turn, the device-busy
+  share of the rollout's wall time, the largest kernels first; nothing without a GPU trace."""
+  from experiments import bench_episodes
+
+  def trace(fn, launches=None):
+    fn()
+    launches.update({"fusion": 40, "gemm": 8})
+    return {"fusion": 300.0, "gemm": 500.0}
+
+  monkeypatch.setattr(bench_episodes, "kernel_times", trace)
+  calls = []
+  row = bench_episodes.profile_turns(lambda: calls.append(1), turns=4, wall_s=0.002)
+  assert calls == [1]
+  assert row["kernel_us_a_turn"] == 200.0 and row["launches_a_turn"] == 12.0
+  assert row["device_busy_frac"] == pytest.approx(0.4)
+  assert list(row["largest"]) == ["gemm", "fusion"]
+  assert row["largest"]["gemm"] == {"us_a_turn": 125.0, "launches_a_turn": 2.0}
+  monkeypatch.setattr(bench_episodes, "kernel_times", lambda fn, launches=None: None)
+  assert bench_episodes.profile_turns(lambda: None, turns=4, wall_s=1.0) is None
