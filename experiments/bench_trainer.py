@@ -74,7 +74,8 @@ def one_mode(c, mode: str, args) -> dict:
            "records": rollout.records, "routes": rollout.routes}
   options = RLOptions(clip_eps=c.rl.clip_eps, aux_coef=c.rl.aux_coef,
                       minibatches=c.rl.minibatches, routing_replay=c.rl.routing_replay,
-                      temperature=c.rl.temperature, remat=c.rl.remat)
+                      temperature=c.rl.temperature, remat=c.rl.remat,
+                      attention=c.rl.attention)
   trainer = Trainer(cfg, setup, make_optimizer(c.sft.lr, c.rl.lr, 0), options)
   state = trainer.init_state(params)
   sft = {"tokens": batch["tokens"], "valid": batch["valid"], "loss_mask": batch["response_mask"]}

@@ -62,6 +62,7 @@ def test_bad_main_input_is_one_line_naming_the_key_and_its_choices(tmp_path):
       ((*run, "--config=configs/reasoning.py:rl.nope=1"), ["rl.nope", "kl_coef"]),
       ((*run, "--config.rl.mode=fp8"), ["rl.mode='fp8'", "trace_all"]),
       ((*run, "--config.rl.remat=all"), ["rl.remat='all'", "'none', 'layer'"]),
+      ((*run, "--config.rl.attention=flash"), ["rl.attention='flash'", "'full', 'fused'"]),
       ((*run, "--config.engine.scan_decode=maybe"), ["engine.scan_decode", "true or false"]),
       ((*run, "--wrkdir=x"), ["wrkdir", "workdir"]),
       ((*MAIN, f"--workdir={a_file}"), [str(a_file), "not a directory"]),

@@ -229,3 +229,36 @@ def test_the_trainers_attention_is_the_heads_apart_one_bit_for_bit(h, kv):
   for got, want in zip(jax.tree.leaves(grads(L.full_attention)),
                        jax.tree.leaves(grads(heads_apart))):
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("h,kv", [(8, 2), (4, 4)])
+def test_the_fused_attention_computes_the_full_one(h, kv):
+  """`rl.attention=fused` (`jax.nn.dot_product_attention`: cuDNN's fused kernel on a GPU,
+  XLA's composition here) takes the same causal, padding-masked attention: on rows padded on
+  the left, on the right and not at all, its outputs and the gradients of q, K and V are the
+  full attention's up to bf16 rounding, and a row with no valid slot before a query stays
+  finite."""
+  b, t, dh = 3, 40, 16
+  ks = jax.random.split(jax.random.PRNGKey(11), 4)
+  q = jax.random.normal(ks[0], (b, t, h, dh), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, t, kv, dh), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, t, kv, dh), jnp.bfloat16)
+  pos = jnp.arange(t)[None, :]
+  valid = (pos >= jnp.asarray([0, 5, 39])[:, None]) & (pos < jnp.asarray([40, 31, 40])[:, None])
+  w = jax.random.normal(ks[3], (b, t, h, dh)) * valid[:, :, None, None]
+
+  def grads(f):
+    loss = lambda q, k, v: jnp.sum(f(q, k, v, valid).astype(jnp.float32) * w)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  full, fused = L.ATTENTIONS["full"], L.ATTENTIONS["fused"]
+  got = fused(q, k, v, valid).astype(jnp.float32)
+  assert bool(jnp.all(jnp.isfinite(got)))
+  where = valid[:, :, None, None]
+  np.testing.assert_allclose(jnp.where(where, got, 0), jnp.where(where, full(q, k, v, valid), 0),
+                             atol=2e-2, rtol=2e-2)
+  (l1, g1), (l2, g2) = grads(fused), grads(full)
+  np.testing.assert_allclose(l1, l2, rtol=1e-2)
+  for a, b_ in zip(g1, g2):
+    a, b_ = np.asarray(a, np.float32), np.asarray(b_, np.float32)
+    assert np.linalg.norm(a - b_) <= 2e-2 * np.linalg.norm(b_)

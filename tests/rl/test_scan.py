@@ -12,6 +12,7 @@ from trace_jax import quant
 from trace_jax.models import QuantRecipe, init_params, pack_weights, parse_layers, stacks, tiny
 from trace_jax.models.qwen3_moe import forward
 from trace_jax.models.rollout_path import RolloutPath
+from trace_jax.rl import metrics as M
 from trace_jax.rl.recompute import recompute
 from trace_jax.rl.rollout import RolloutEngine, SamplingConfig, pad_prompts
 from trace_jax.rl.trainer import mode_setup
@@ -186,3 +187,26 @@ def test_a_scanned_decode_step_samples_what_the_unrolled_one_does():
 @pytest.mark.parametrize("stacked", [True, False])
 def test_a_scanned_decode_step_extends_and_reads_per_layer_weights_too(stacked):
   same(episode(True, stacked, True), episode(False, False, True))
+
+
+def test_the_fused_attention_keeps_what_the_records_guarantee():
+  """`rl.attention=fused`: the trainer's attention computed otherwise (jax.nn.dot_product_attention)
+  gives the full attention's log-probs up to rounding, and with every layer's records and the
+  rollout's routes the trainer's codes are still the rollout's at every site."""
+  cfg, params, recipe, b = rollout("mxfp4")
+  records = dict(b.records)
+
+  def run(attention):
+    return jax.jit(functools.partial(
+        recompute, cfg, recipe=recipe, records=records, routes=b.routes,
+        rollout_routes=b.routes, collect_codes=True, attention=attention))(
+            params, b.tokens, b.valid)
+
+  full, fused = run("full"), run("fused")
+  mask = np.asarray(b.response_mask)
+  assert np.abs(np.asarray(fused.logp) - np.asarray(full.logp))[mask].max() < 5e-2
+  flips = M.flip_rates(cfg, recipe, b.codes, fused.codes, b.response_mask[:, 1:],
+                       routes_rollout=b.routes, routes_train=fused.routes)
+  assert flips["mismatch/flip_rate"] == 0.0 and all(v == 0.0 for v in flips.values())
+  with pytest.raises(ValueError, match=r"attention='flash': choose one of \('full', 'fused'\)"):
+    recompute(cfg, params, b.tokens, b.valid, recipe, attention="flash")

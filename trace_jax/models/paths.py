@@ -49,6 +49,9 @@ class TrainPath:
   replay setting (the mismatch probe), where leaving records or routes out would compile one
   program per setting.
 
+  `attention`: the trainer's attention by name (`layers.ATTENTIONS`: "full", the score matrix
+  as XLA computes it, or "fused", jax.nn.dot_product_attention's fused kernel).
+
   What it collects (`collect`, from what the layers sow into `collection`): `aux` [n_layers]
   the load-balancing losses, `routes` [n_layers, B, T, k] uint8 the experts it used, `codes`
   {layer: {site: codes}} with `collect_codes`."""
@@ -60,8 +63,11 @@ class TrainPath:
                records: Records | None = None, routes_LxBxTxk: jax.Array | None = None,
                collect_codes: bool = False, code_recipe: QuantRecipe | None = None,
                rollout_routes_LxBxTxk: jax.Array | None = None, guide_L: jax.Array | None = None,
-               replay: jax.Array | None = None):
+               replay: jax.Array | None = None, attention: str = "full"):
+    if attention not in L.ATTENTIONS:
+      raise ValueError(f"attention={attention!r}: choose one of {tuple(L.ATTENTIONS)}")
     self.cfg, self.recipe, self.valid = cfg, recipe, valid_BxT
+    self.attend = L.ATTENTIONS[attention]
     self.records = records or {}
     self.guide_L, self.replay = guide_L, replay
     self.routes = routes_LxBxTxk
@@ -204,7 +210,7 @@ class _TrainLayer:
   def attention(self, q, k, v):
     k = self.act(k, "k")
     v = self.act(v, "v")
-    return L.full_attention(q, k, v, self.path.valid)
+    return self.path.attend(q, k, v, self.path.valid)
 
   def route(self, probs):
     p = self.path

@@ -70,7 +70,7 @@ class Run:
                         correction_cap=c.rl.correction_cap, kl_coef=c.rl.kl_coef,
                         aux_coef=c.rl.aux_coef, minibatches=c.rl.minibatches,
                         routing_replay=c.rl.routing_replay, temperature=c.rl.temperature,
-                        remat=c.rl.remat)
+                        remat=c.rl.remat, attention=c.rl.attention)
     optimizer = make_optimizer(c.sft.lr, c.rl.lr, c.sft.steps, sft_warmup=c.sft.warmup_steps,
                                max_grad_norm=c.optim.max_grad_norm,
                                weight_decay=c.optim.weight_decay, b2=c.optim.b2)
@@ -93,7 +93,7 @@ class Run:
                                           ops=self.engine.ops, stacked=c.engine.scan_decode))
     self.codes = jax.jit(functools.partial(
         recompute, self.cfg, recipe=self.setup.train, temperature=c.rl.temperature,
-        collect_codes=True, code_recipe=self.setup.rollout))
+        collect_codes=True, code_recipe=self.setup.rollout, attention=c.rl.attention))
     self.mesh = S.make_mesh(c.mesh.data or None, c.mesh.expert)
     self.rollout_layout = S.Layout(self.mesh, S.ROLLOUT_RULES)
     self.train_layout = S.Layout(self.mesh, S.TRAIN_RULES)

@@ -35,7 +35,7 @@ def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: 
               collect_codes: bool = False, code_recipe: QuantRecipe | None = None,
               rollout_routes: jax.Array | None = None, guide_layers: jax.Array | None = None,
               replay: jax.Array | None = None, scan: bool = True,
-              remat: bool = False) -> TrainOutputs:
+              remat: bool = False, attention: str = "full") -> TrainOutputs:
   """Fake-quantized forward over tokens[:, :-1], scored on tokens[:, 1:].
 
   records: the rollout's records (arrays [B, L-1, ...]); sites without one round to nearest.
@@ -48,13 +48,13 @@ def recompute(cfg: ModelConfig, params: dict, tokens_BxL: jax.Array, valid_BxL: 
   without a record); replay: bool, whether `routes` replace the trainer's top-k. Both are
   arrays, so one compiled program serves every guidance and replay setting.
   scan / remat: `forward`'s (each run of layers one lax.scan; each layer recomputed in the
-  backward pass); neither changes a value.
+  backward pass); neither changes a value. attention: `TrainPath`'s ("full" | "fused").
   """
   inputs, targets = tokens_BxL[:, :-1], tokens_BxL[:, 1:]
   valid = valid_BxL[:, :-1]
   pos = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
   path = TrainPath(cfg, valid, recipe, records, routes, collect_codes, code_recipe,
-                   rollout_routes, guide_layers, replay)
+                   rollout_routes, guide_layers, replay, attention)
   logits, out = forward(cfg, params, inputs, pos, path, scan=scan, remat=remat)
   if temperature > 0:
     logits = logits / temperature

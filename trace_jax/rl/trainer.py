@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trace_jax.models import layers as L
 from trace_jax.models import stacks
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.recipe import SITES, QuantRecipe, parse_layers
@@ -22,6 +23,7 @@ from trace_jax.rl.recompute import recompute
 
 MODES = ("bf16", "fp4_rollout", "fp4_qat", "trace", "trace_all")
 REMAT = ("none", "layer")
+ATTENTIONS = tuple(L.ATTENTIONS)  # rl.attention: the trainer's (layers.ATTENTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +113,13 @@ class RLOptions:
   routing_replay: bool = False
   temperature: float = 1.0
   remat: str = "none"  # none | layer: each layer's activations recomputed in the backward pass
+  attention: str = "full"  # full | fused: the trainer's attention (layers.ATTENTIONS)
 
   def __post_init__(self):
     if self.remat not in REMAT:
       raise ValueError(f"rl.remat={self.remat!r}: choose one of {REMAT}")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"rl.attention={self.attention!r}: choose one of {ATTENTIONS}")
     if self.correction not in grpo.CORRECTIONS:
       raise ValueError(f"rl.correction={self.correction!r}: choose one of {grpo.CORRECTIONS}")
     if self.minibatches < 1:
@@ -155,7 +160,8 @@ class Trainer:
 
   def _sft_step(self, state, batch):
     def loss_fn(params):
-      out = recompute(self.cfg, params, batch["tokens"], batch["valid"], remat=self.remat)
+      out = recompute(self.cfg, params, batch["tokens"], batch["valid"], remat=self.remat,
+                      attention=self.o.attention)
       nll = -_masked_mean(out.logp, batch["loss_mask"])
       return nll + self.o.aux_coef * out.aux_loss, (nll, out.aux_loss)
 
@@ -173,7 +179,7 @@ class Trainer:
     return recompute(self.cfg, params, batch["tokens"], batch["valid"],
                      recipe or self.setup.train, records=records, routes=routes,
                      temperature=self.o.temperature, rollout_routes=batch["routes"],
-                     remat=self.remat)
+                     remat=self.remat, attention=self.o.attention)
 
   def rl_step(self, state, batch):
     """batch: tokens, valid, response_mask, logp (the rollout's), advantages [B], records,
@@ -195,7 +201,7 @@ class Trainer:
     # the reference is a fixed policy computed as itself: the rollout's records and routes
     # guide the recompute of the policy that made the rollout, not of this one
     out = recompute(self.cfg, ref_params, batch["tokens"], batch["valid"], self.setup.train,
-                    temperature=self.o.temperature)
+                    temperature=self.o.temperature, attention=self.o.attention)
     return jax.lax.stop_gradient(out.logp)
 
   def _rl_step(self, state, batch, ref_params):

@@ -12,7 +12,7 @@ from trace_jax import distributed
 from trace_jax.models.recipe import QuantRecipe, parse_layers, precisions
 from trace_jax.rl import hf_policy
 from trace_jax.rl.grpo import CORRECTIONS
-from trace_jax.rl.trainer import MODES, REMAT, mode_setup
+from trace_jax.rl.trainer import ATTENTIONS, MODES, REMAT, mode_setup
 from trace_jax.tasks import FunctionSynthesisTask, ReasoningTask, RunningSumTask, sandbox
 
 FAMILIES = ("reasoning", "coding", "long_horizon")
@@ -91,6 +91,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
     raise ValueError(f"engine.fold_scales folds the Pallas kernels' MXFP4 decode: it needs "
                      f"engine.kernels=pallas (got {c.engine.kernels!r})")
   _choice("rl.remat", c.rl.remat, REMAT)
+  _choice("rl.attention", c.rl.attention, ATTENTIONS)
   hf = hf_policy.check(c)  # the checkpoint's shape with model.hf_path
   n_layers = (hf or c.model).n_layers
   parse_layers(c.rl.trace_layers, n_layers, what="rl.trace_layers")
