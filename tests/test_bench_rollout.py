@@ -171,7 +171,7 @@ def test_decode_memory_counts_the_outputs_the_loop_does_not_write_in_place(monke
 
   import numpy as np
   stats = types.SimpleNamespace(temp_size_in_bytes=5, output_size_in_bytes=1000,
-                                alias_size_in_bytes=600)
+                                alias_size_in_bytes=600, peak_memory_in_bytes=0)
   compiled = types.SimpleNamespace(memory_analysis=lambda: stats)
   memory = bench_rollout.decode_memory(compiled, [np.zeros(10, np.int8)],
                                        [np.zeros(100, np.int8)])
@@ -180,6 +180,7 @@ def test_decode_memory_counts_the_outputs_the_loop_does_not_write_in_place(monke
   result = bench_rollout.run(1, [2], 48, 16, ["mxfp4:xla"], preset="tiny")
   cpu = result["rows"][0]["decode_memory"]
   assert 0 <= cpu["unaliased_bytes"] < cpu["state_bytes"] / 50, cpu
+  assert cpu["xla_peak_bytes"] >= cpu["state_bytes"], cpu
   monkeypatch.setattr(bench_rollout, "memory_stats",
                       lambda: {"bytes_limit": 1000, "bytes_in_use": 550})
   with pytest.raises(MemoryError, match="state, temporaries and outputs not written in place "
