@@ -20,7 +20,9 @@ as they were, so more seeds can be added later, on another machine. A seed's sha
 start made again (its directory gone, as on a fresh GPU machine) must repeat the one that seed's
 recorded runs started from (each run's `warm_start_id`, a fingerprint of the warm start's
 losses): another, e.g. made on another device kind, stops the invocation before any mode trains,
-naming those runs. Then, per family:
+naming those runs; and where the seed's recorded runs were made on another device kind than
+this one, the invocation stops before making it at all (`--any_device` makes it anyway).
+Then, per family:
 
 - post-hoc FP4: each seed's BF16-trained policy quantized to MXFP4 after training and evaluated
   by the FP4 rollout engine, against the FP4 policies the FP4 modes trained;
@@ -229,6 +231,36 @@ def check_warm_start(summary: dict, family: str, seed: int, workdir: str, steps:
              f"those runs from {curves.SUMMARY} to train the seed's modes again")
 
 
+def check_device_kind(summary: dict, families, modes, seeds, args) -> None:
+  """Raises ValueError, before anything trains, where a seed's shared warm start would be made
+  again (not on disk) for runs still to train, and that seed's recorded runs were made on
+  another device kind: deterministic ops repeat a warm start on one kind, so it would most
+  likely not be theirs, which `check_warm_start` finds only once it is made (minutes of GPU).
+  `--any_device` makes it anyway and lets its fingerprint decide."""
+  if args.any_device:
+    return
+  device = jax.devices()[0].device_kind
+  for family in families:
+    for seed in seeds:
+      if all(_recorded(summary, family, mode, seed, args) for mode in modes):
+        continue  # nothing of it to train
+      if finished(warm_dir(args.out, family, seed),
+                  _config(warm_arg(family, seed, args.smoke, args.scale))):
+        continue  # on disk: `check_warm_start` compares it
+      other = {key: run.get("device") for key, run in
+               summary.get(family, {}).get("runs", {}).items()
+               if key.endswith(f"/seed{seed}") and run.get("device") not in (None, device)}
+      if other:
+        kinds = ", ".join(sorted(set(other.values())))
+        raise ValueError(
+            f"{family} seed {seed}'s recorded runs ({', '.join(sorted(other))}) were made on "
+            f"{kinds}, this device is {device}: its shared warm start made again here would "
+            "most likely not be theirs (deterministic ops repeat on one device kind), and the "
+            f"seed's other modes would start from another policy. Train them on {kinds}, pass "
+            "--any_device to make it here and let its fingerprint decide, or remove those runs "
+            f"from {curves.SUMMARY}")
+
+
 def _main_command(arg: str, workdir: str, data_dir: str = "") -> str:
   return (f"python -m trace_jax.main --config=configs/ablation.py:{arg} --workdir={workdir}"
           + (f" --config.data_dir={data_dir}" if data_dir else ""))
@@ -412,6 +444,10 @@ def main(argv=None):
                       help="JAX's persistent compilation cache, shared by the runs (a seed's "
                            "programs are the other seeds'): default <out>/compile_cache, "
                            "'none' for none")
+  parser.add_argument("--any_device", action="store_true",
+                      help="make a seed's shared warm start again on a device kind other than "
+                           "the one its recorded runs were made on (its fingerprint must still "
+                           "match theirs)")
   parser.add_argument("--jobs", type=int, default=1,
                       help="runs trained at once, each in a process of its own (a GPU is "
                            "shared, each process taking 1/jobs of its memory); default 1, in "
@@ -461,6 +497,8 @@ def main(argv=None):
     for c in configs:  # (sft.init_from, where shared, is checked once its warm start is made)
       validate(c)
       check_sandbox(c)
+    if configs and args.warm_start == "shared":
+      check_device_kind(summary, families or list(FAMILIES), modes, seeds, args)
 
   if args.merge:
     curves.write(args.out, summary, runs)

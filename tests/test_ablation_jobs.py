@@ -267,7 +267,8 @@ def test_one_process_trains_each_shared_warm_start_once_before_its_seeds_first_r
 
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_a_seeds_modes_are_trained_from_the_warm_start_its_recorded_runs_took(tmp_path,
-                                                                              monkeypatch, jobs):
+                                                                              monkeypatch, jobs,
+                                                                              capsys):
   """A shared warm start made again (a fresh machine: the run directories gone, summary.json
   kept) must be the one the seed's recorded runs started from, as their `warm_start_id` (from
   the warm start's rows) says; another (e.g. made on another device kind) stops the invocation
@@ -308,10 +309,10 @@ def test_a_seeds_modes_are_trained_from_the_warm_start_its_recorded_runs_took(tm
   monkeypatch.setattr(ablation, "_report", lambda data, args: None)
   monkeypatch.setattr(ablation, "train", train)
   monkeypatch.setattr(ablation, "train_in_processes", pool)
-  main = lambda modes: ablation.main([
+  main = lambda modes, *more: ablation.main([
       "--smoke", f"--out={out}", f"--figures={tmp_path / 'f'}", "--families=reasoning",
       f"--modes={modes}", "--seeds=0", "--warm_start=shared", "--compile_cache=none",
-      f"--data_dir={tmp_path / 'tfds'}", f"--jobs={jobs}"])
+      f"--data_dir={tmp_path / 'tfds'}", f"--jobs={jobs}", *more])
   main("bf16")
   runs = json.load(open(out / "summary.json"))["reasoning"]["runs"]
   assert runs["bf16/seed0"]["warm_start_id"] is not None
@@ -331,3 +332,21 @@ def test_a_seeds_modes_are_trained_from_the_warm_start_its_recorded_runs_took(tm
                                        r"than the one bf16/seed0, trace/seed0 started RL from"):
     main("bf16,trace,fp4_qat")
   assert order[-1] == os.path.join("reasoning", "warm_start", "seed0")
+  # the seed's runs were made on another device kind: the warm start would not repeat here
+  # (deterministic ops repeat on one kind), so nothing starts, not even the warm start
+  summary = json.load(open(out / "summary.json"))
+  for run in summary["reasoning"]["runs"].values():
+    run["device"] = "NVIDIA H200"
+  json.dump(summary, open(out / "summary.json", "w"))
+  shutil.rmtree(out / "reasoning")
+  trained.clear()
+  made = len(order)
+  with pytest.raises(SystemExit):
+    main("bf16,trace,fp4_qat")
+  assert len(order) == made
+  assert ("reasoning seed 0's recorded runs (bf16/seed0, trace/seed0) were made on NVIDIA H200, "
+          "this device is cpu") in capsys.readouterr().err
+  # --any_device makes it, and its fingerprint decides (here another: nothing more trains)
+  with pytest.raises(SystemExit, match="is another than the one bf16/seed0, trace/seed0"):
+    main("bf16,trace,fp4_qat", "--any_device")
+  assert order[made:] == [os.path.join("reasoning", "warm_start", "seed0")]
