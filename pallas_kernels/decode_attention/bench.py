@@ -2,14 +2,15 @@
 
     python -m pallas_kernels.decode_attention.bench [--out=DIR] [--batches=16,64]
         [--contexts=2048,8192,32768] [--backends=triton,mosaic] [--formats=bf16,mxfp4,nvfp4]
-        [--configs='mosaic c2,triton s64w4st2']
+        [--configs='mosaic c2,triton s64w4st2'] [--splits=4,8,16]
 
 qwen3_30b_a3b attention (32 query heads on 4 kv heads, head_dim 128), one query per sequence,
 every slot valid. Per (batch, context): XLA's bf16 attention (the reference), the project's
 bf16 kernel, PyTorch's `scaled_dot_product_attention` (enable_gqa, its [B, Kv, S, Dh] layout,
 no mask) when torch sees a GPU, XLA on the dequantized MXFP4 cache, and the Pallas kernel on
 MXFP4 and NVFP4 caches over a few tile configurations of its two backends (Triton; Mosaic, the
-wgmma kernel, when the device is a Hopper GPU). Each variant is checked against its
+wgmma kernel, when the device is a Hopper GPU), each also at the sequence splits `--splits`
+asks for (by default `cache.default_splits`'). Each variant is checked against its
 reference first (rel err). Times are the kernels' device time (`pallas_kernels.timing.time_calls`)
 over cache copies larger than the L2 cache; bytes count the caches (codes, scales, globals),
 the queries and the outputs. Writes decode_attention_bench.json and prints a table.
@@ -43,11 +44,13 @@ CONFIGS = [dict(backend="triton", block_s=bs, num_warps=w, num_stages=st)
 
 def label(cfg: dict) -> str:
   """A tile configuration in a few characters: triton s64w4st2, mosaic c4, mosaic c2 fold (the
-  MXFP4 scales folded, `mosaic.FOLD_REF`), mosaic c2 b2 (two 64-slot blocks a step)."""
+  MXFP4 scales folded, `mosaic.FOLD_REF`), mosaic c2 b2 (two 64-slot blocks a step); " x8":
+  8 splits of the sequence (`--splits`) instead of `cache.default_splits`'."""
+  splits = f" x{cfg['splits']}" if cfg.get("splits") else ""
   if cfg.get("backend") == "mosaic":
     return (f"mosaic c{cfg['max_concurrent_steps']}" + (" fold" if cfg.get("fold") else "")
-            + (f" b{cfg['blocks']}" if cfg.get("blocks", 1) > 1 else ""))
-  return f"triton s{cfg['block_s']}w{cfg['num_warps']}st{cfg['num_stages']}"
+            + (f" b{cfg['blocks']}" if cfg.get("blocks", 1) > 1 else "") + splits)
+  return f"triton s{cfg['block_s']}w{cfg['num_warps']}st{cfg['num_stages']}" + splits
 
 
 def _rel(a, b) -> float:
@@ -178,6 +181,10 @@ def main():
   parser.add_argument("--configs", default="",
                       help="only these tile configurations (comma-separated labels, e.g. "
                            "'mosaic c2,triton s64w4st2'; default: every one of the backends)")
+  parser.add_argument("--splits", default="",
+                      help="also time each chosen configuration at these splits of the "
+                           "sequence (comma-separated; a count the blocks do not divide is an "
+                           "error row)")
   parser.add_argument("--formats", default=",".join(FORMATS),
                       help="the caches to time (comma-separated; XLA's bf16 attention always)")
   args = parser.parse_args()
@@ -199,6 +206,13 @@ def main():
     configs = [c for c in configs if label(c) in wanted]
   if not configs:
     parser.error(f"--backends names none of {api.BACKENDS}")
+  try:
+    splits = [int(v) for v in args.splits.split(",") if v]
+  except ValueError:
+    parser.error(f"--splits={args.splits!r}: comma-separated positive integers")
+  if any(n < 1 for n in splits):
+    parser.error(f"--splits={args.splits!r}: comma-separated positive integers")
+  configs += [{**c, "splits": n} for n in splits for c in configs]
   result = run(ints(args.batches), ints(args.contexts), configs, formats)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "decode_attention_bench.json"), "w") as fh:

@@ -431,3 +431,29 @@ def test_bench_reports_a_shape_that_fails_and_goes_on(monkeypatch):
   assert [(r["context"], r["variant"]) for r in result["rows"]] == [(256, "xla bf16")]
   [error] = result["errors"]
   assert error.startswith("B=1 S=128") and "RESOURCE_EXHAUSTED" in error
+
+
+def test_bench_times_each_configuration_at_the_splits_asked_for(tmp_path, monkeypatch, capsys):
+  """`--splits=2`: every chosen configuration again at 2 splits of the sequence (label " x2"),
+  beside its default splits; a bad count is one line naming the flag."""
+  import json
+  import sys
+
+  from pallas_kernels.decode_attention import bench
+
+  monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
+  kernel = bench.api.decode_attention  # (a GPU benchmark: here in interpret mode)
+  monkeypatch.setattr(bench.api, "decode_attention",
+                      lambda *a, **kw: kernel(*a, **kw, interpret=True))
+  monkeypatch.setattr(sys, "argv", ["bench", f"--out={tmp_path}", "--batches=1",
+                                    "--contexts=128", "--formats=bf16", "--backends=triton",
+                                    "--configs=triton s64w4st2", "--splits=2"])
+  bench.main()
+  rows = json.load(open(tmp_path / "decode_attention_bench.json"))["rows"]
+  got = {r["config"]: r.get("splits") for r in rows if r["variant"] == "pallas bf16"}
+  assert got == {"triton s64w4st2": None, "triton s64w4st2 x2": 2}
+  assert all(r["rel_err"] < 1e-2 for r in rows if r["variant"] == "pallas bf16")
+  monkeypatch.setattr(sys, "argv", ["bench", "--splits=two"])
+  with pytest.raises(SystemExit):
+    bench.main()
+  assert "--splits='two'" in capsys.readouterr().err
