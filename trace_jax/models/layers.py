@@ -156,10 +156,10 @@ def full_attention(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, valid_BxT) -> jax.Array:
 
 def fused_attention(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, valid_BxT) -> jax.Array:
   """`full_attention`'s causal, padding-masked attention by `jax.nn.dot_product_attention`:
-  cuDNN's fused kernel on a GPU (no [T, T] matrix in memory; 4x `full_attention`'s speed forward
-  and backward at a 1 540-token episode on an H100, BENCHMARKS.md), XLA's composition of it
-  elsewhere. The mask goes in as a bf16 bias (0 or -1e9) of [B, 1, T, T], so any padding
-  works; the probabilities and the backward's sums are cuDNN's, not the full attention's (q's
+  cuDNN's fused kernel on a GPU (no head's [T, T] scores in memory; 4x `full_attention`'s speed
+  forward and backward at a 1 540-token episode on an H100, BENCHMARKS.md), XLA's composition of
+  it elsewhere. The mask goes in as a bf16 bias (0 or -1e9) of [B, 1, T, T], one for all heads,
+  so any padding works; the probabilities and the backward's sums are cuDNN's, not the full attention's (q's
   gradient 3e-3 apart, relative, on that GPU), which is why the trainer takes it only when asked
   (`rl.attention=fused`)."""
   t = q_BxTxHxDh.shape[1]
