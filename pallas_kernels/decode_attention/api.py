@@ -39,7 +39,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
                      splits: int | None = None, max_concurrent_steps: int = 2,
                      num_warps: int = 4, num_stages: int = 2, decode: str | None = None,
                      interpret: bool = False, poison: bool = False, fold: bool = False,
-                     blocks: int = 1) -> jax.Array:
+                     blocks: int = 1, lean: bool = False) -> jax.Array:
   """One query per sequence, q [B, H, Dh], against the caches K, V [B, S, Kv, Dh] at the slots
   where mask [B, S] is true -> [B, H, Dh] bf16 (query head h reads kv head h // (H / Kv)).
 
@@ -47,9 +47,10 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   interpret and poison are its) or "mosaic" (`mosaic.py`, the wgmma kernel, compiled Hopper
   only; 64-slot blocks, `blocks` of them a pipeline step for FP4 caches (one max across the
   warpgroup and one barrier for all of them), max_concurrent_steps copies in flight; `fold`:
-  MXFP4 decoded with the scales folded, one multiply a pair of values, `mosaic.FOLD_REF`). `decode` ("asm" | "bits") picks
-  how the Triton kernel unpacks FP4, as in `fp4_matmul`; `splits` how many programs share one
-  sequence (default: enough to fill the device)."""
+  MXFP4 decoded with the scales folded, one multiply a pair of values, `mosaic.FOLD_REF`; `lean`:
+  FP4 caches decoded with fewer registers live for less overlap, `mosaic._body`). `decode`
+  ("asm" | "bits") picks how the Triton kernel unpacks FP4, as in `fp4_matmul`; `splits` how
+  many programs share one sequence (default: enough to fill the device)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if backend not in BACKENDS:
@@ -67,7 +68,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
     from pallas_kernels.decode_attention import mosaic
     return mosaic.decode_attention(q_BxHxDh, k, v, mask_BxS, splits=splits,
                                    max_concurrent_steps=max_concurrent_steps, fold=fold,
-                                   blocks=blocks)
+                                   blocks=blocks, lean=lean)
   b, h, dh = q_BxHxDh.shape
   s, kv = k.shape[1], k.shape[2]
   if not supports(s, dh, block_s):

@@ -39,17 +39,22 @@ CONFIGS = [dict(backend="triton", block_s=bs, num_warps=w, num_stages=st)
            for bs, w, st in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3)]] + [
            dict(backend="mosaic", max_concurrent_steps=n) for n in (2, 4, 6)] + [
            dict(backend="mosaic", max_concurrent_steps=2, fold=True),  # MXFP4 caches only
-           dict(backend="mosaic", max_concurrent_steps=2, blocks=2)]  # FP4 caches only
+           dict(backend="mosaic", max_concurrent_steps=2, blocks=2),  # FP4 caches only
+           # fewer registers live, less overlap (`mosaic._body`'s lean; FP4 caches only)
+           dict(backend="mosaic", max_concurrent_steps=2, lean=True),
+           dict(backend="mosaic", max_concurrent_steps=2, blocks=2, lean=True)]
 
 
 def label(cfg: dict) -> str:
   """A tile configuration in a few characters: triton s64w4st2, mosaic c4, mosaic c2 fold (the
-  MXFP4 scales folded, `mosaic.FOLD_REF`), mosaic c2 b2 (two 64-slot blocks a step); " x8":
+  MXFP4 scales folded, `mosaic.FOLD_REF`), mosaic c2 b2 (two 64-slot blocks a step), mosaic c2
+  lean (fewer registers live, `mosaic._body`); " x8":
   8 splits of the sequence (`--splits`) instead of `cache.default_splits`'."""
   splits = f" x{cfg['splits']}" if cfg.get("splits") else ""
   if cfg.get("backend") == "mosaic":
     return (f"mosaic c{cfg['max_concurrent_steps']}" + (" fold" if cfg.get("fold") else "")
-            + (f" b{cfg['blocks']}" if cfg.get("blocks", 1) > 1 else "") + splits)
+            + (f" b{cfg['blocks']}" if cfg.get("blocks", 1) > 1 else "")
+            + (" lean" if cfg.get("lean") else "") + splits)
   return f"triton s{cfg['block_s']}w{cfg['num_warps']}st{cfg['num_stages']}" + splits
 
 
@@ -117,7 +122,7 @@ def _shape(result, b, s, key, configs, formats):
   ref16 = jax.jit(xla)((q, mask), bf16[0])
   record("xla bf16", time_calls(xla, (q, mask), bf16), bf16_bytes, 0.0)
   for cfg in [c for c in configs if not c.get("fold") and c.get("blocks", 1) == 1
-              ] if "bf16" in formats else ():
+              and not c.get("lean")] if "bf16" in formats else ():
     p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
                                                     implementation="pallas", **cfg)
     attempt(lambda p=p, cfg=cfg: record(

@@ -255,11 +255,14 @@ def _v_operands(codes_ref, scales_ref, head_dim, fmt, fold=False):
 
 
 def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
-          max_concurrent_steps, fold=False, blocks=1):
+          max_concurrent_steps, fold=False, blocks=1, lean=False):
   """One (batch, kv head, split) program: its split's blocks of 64 slots in a pipeline, `blocks`
   of them a step (FP4 caches: each block's scores, then one max across the warpgroup and one
   barrier for all of them). `fold` (MXFP4): the decode's 2^126 folded into the scales
-  (`FOLD_REF`)."""
+  (`FOLD_REF`). `lean` (FP4 caches): fewer registers live for less overlap, so that more
+  programs fit an SM: each chunk of K's codes decoded after the matrix instruction of the chunk
+  before has finished with its registers, and with two blocks a step the second block's V^T
+  after the first block's instruction has (`wgmma_wait`)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   n_cache = _N_CACHE[fmt]
   k_gmem, v_gmem = refs[:n_cache], refs[n_cache:2 * n_cache]
@@ -294,12 +297,13 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
             for s in _head_bytes(scales_smem, hi, nb)]
 
   def decode(cache_smem):
-    """A block's codes -> each chunk's (low, high) nibbles' bf16 values, [64, CHUNK] each."""
+    """A block's codes -> each chunk's (low, high) nibbles' bf16 values, [64, CHUNK] each, as
+    a generator: a chunk is decoded when it is asked for."""
     codes_smem, scales_smem = cache_smem[:2]
     rows = scale_rows(scales_smem, cache_smem[2] if fmt == "nvfp4" else None)
     per = nb // chunks  # scale blocks a chunk
-    return [_decode_asm([_load(codes_smem.at[:, pl.ds(j * CHUNK, CHUNK)], wgmma)],
-                        rows[j * per:(j + 1) * per], fmt, folded=fold) for j in range(chunks)]
+    return (_decode_asm([_load(codes_smem.at[:, pl.ds(j * CHUNK, CHUNK)], wgmma)],
+                        rows[j * per:(j + 1) * per], fmt, folded=fold) for j in range(chunks))
 
   def step(_, mask_smem, *cache_smem, q_smem, vs_smem, p_smem):
     *cache_smem, carry = cache_smem
@@ -314,9 +318,14 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
         if fmt == "bf16":
           plgpu.wgmma(acc_ref, k_refs[0], q_smem[0])
         else:
-          for j, pair in enumerate(decode(k_refs)):
+          pairs = decode(k_refs)
+          if not lean:  # every chunk decoded before the first instruction
+            pairs = list(pairs)
+          for j, pair in enumerate(pairs):
             for nibbles, q_part in zip(pair, q_smem):
               plgpu.wgmma(acc_ref, nibbles, q_part.at[pl.ds(j * CHUNK, CHUNK)])
+            if lean and j + 1 < chunks:  # this chunk's registers free before the next's
+              plgpu.wgmma_wait(0)
         return acc_ref[...]
       return pl.run_scoped(run, plgpu.ACC((BLOCK_S, ROWS), jnp.float32)) * score_scale
 
@@ -349,10 +358,12 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
     rescale = jax.lax.broadcast_in_dim(alpha, (o_width, ROWS), [1])
 
     def pv(acc_refs):
-      if v_regs:  # a later block's V^T decoded while the wgmma before it runs
+      if v_regs:  # a later block's V^T decoded while the wgmma before it runs (lean: after)
         for i in range(blocks):
           for acc_ref, v_op in zip(acc_refs, first if i == 0 else v_ops(i)):
             plgpu.wgmma(acc_ref, v_op, p_smem[i])
+          if lean and i + 1 < blocks:
+            plgpu.wgmma_wait(0)
         return
       [acc_ref], [v_ref] = acc_refs, v_smem  # bf16: V as it is, read transposed
       # .at[:]: a transformed ref, which transposes on every jax version
@@ -420,10 +431,10 @@ def _body(q_gmem, mask_gmem, end_gmem, *refs, fmt, head_dim, kv_heads, steps,
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "splits", "max_concurrent_steps", "fold",
-                                             "blocks"))
+                                             "blocks", "lean"))
 def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, splits: int = 1,
                               max_concurrent_steps: int = 2, fold: bool = False,
-                              blocks: int = 1):
+                              blocks: int = 1, lean: bool = False):
   """Q^T q_t [B, Kv, Dh, 16] bf16 (the query heads of each kv head padded to 16; for the packed
   formats head_dim in [even | odd] order), mask [B, S] int32 (a block's 256 bytes keep every
   pipeline slot aligned for its bulk copy), end [B] int32 (`kernel.valid_end` of the mask:
@@ -434,7 +445,7 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
   `v_rows` order for an FP4 one, whose V^T comes from registers), m and l
   [splits, B, Kv, 16]. `fold` (MXFP4): the scales carry the decode's 2^126 (`FOLD_REF`).
   `blocks`: 64-slot blocks a pipeline step (FP4 caches; the slots a multiple of 64 x blocks x
-  splits)."""
+  splits). `lean`: fewer registers for less overlap (`_body`; FP4 caches)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   _check(fmt)
   b, kv, dh, rows = q_t.shape
@@ -449,7 +460,7 @@ def decode_attention_partials(q_t, mask, end, k_arrays, v_arrays, *, fmt: str, s
   steps = s // BLOCK_S // blocks // splits
   body = functools.partial(_body, fmt=fmt, head_dim=dh, kv_heads=kv, steps=steps,
                            max_concurrent_steps=min(max_concurrent_steps, steps), fold=fold,
-                           blocks=blocks)
+                           blocks=blocks, lean=lean and fmt != "bf16")
   body.__name__ = "decode_attention_wgmma"
   out_type = (jax.ShapeDtypeStruct((splits, b, kv, dh, rows), jnp.float32),
               jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32),
@@ -511,12 +522,13 @@ def _slot_rows(cache, b, s):
 
 def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
                      splits: int | None = None, max_concurrent_steps: int = 2,
-                     fold: bool = False, blocks: int = 1) -> jax.Array:
+                     fold: bool = False, blocks: int = 1, lean: bool = False) -> jax.Array:
   """`api.decode_attention`'s "pallas" path on the wgmma kernel (compiled Hopper only): q
   [B, H, Dh], caches [B, S, Kv, Dh] (bf16, or MXFP4 / NVFP4 `QArray`s along head_dim), mask
   [B, S] -> [B, H, Dh] bf16. Inputs are checked by the caller (`api`). `fold`: MXFP4 caches
   decoded with the scales folded (`FOLD_REF`; ignored for the other formats). `blocks`: 64-slot
-  blocks a pipeline step, for FP4 caches (bf16 ones take 1 whatever is asked)."""
+  blocks a pipeline step, for FP4 caches (bf16 ones take 1 whatever is asked). `lean`: fewer
+  registers live for less overlap (`_body`; FP4 caches, ignored for bf16 ones)."""
   b, h, dh = q_BxHxDh.shape
   s, kv = k.shape[1], k.shape[2]
   fmt = cache_format(k)
@@ -541,7 +553,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, *,
   o_t, m, l = decode_attention_partials(
       q_t, mask_BxS.astype(jnp.int32), kernel.valid_end(mask_BxS), _slot_rows(k, b, s),
       _slot_rows(v, b, s), fmt=fmt, splits=splits, max_concurrent_steps=max_concurrent_steps,
-      fold=fold and fmt == "mxfp4", blocks=blocks)
+      fold=fold and fmt == "mxfp4", blocks=blocks, lean=lean)
   # the splits combined along O^T's memory, then its g real rows of 16 transposed
   out_t = kernel.combine(o_t, m, l, dh_axis=-2)[..., :g]  # [B, Kv, Dh, g]
   if fmt != "bf16":  # O^T's rows in `v_rows` order (V^T from registers)

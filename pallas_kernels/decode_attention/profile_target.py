@@ -23,7 +23,8 @@ from trace_jax.quant import MXFP4, NVFP4, quantize
 
 VARIANTS = ("mosaic:mxfp4", "mosaic:bf16", "triton:bf16", "mosaic:nvfp4", "triton:mxfp4",
             "mosaic:mxfp4:fold",  # fold: the MXFP4 scales folded (`mosaic.FOLD_REF`)
-            "mosaic:mxfp4:b2")  # b2: two 64-slot blocks a pipeline step
+            "mosaic:mxfp4:b2",  # b2: two 64-slot blocks a pipeline step
+            "mosaic:mxfp4:lean", "mosaic:mxfp4:b2:lean")  # lean: `mosaic._body`'s
 
 
 def main():
@@ -47,7 +48,9 @@ def main():
             "nvfp4": (quantize(k, NVFP4), quantize(v, NVFP4))}
   for name in variants:
     backend, fmt, *option = name.split(":")
-    extra = {"fold": {"fold": True}, "b2": {"blocks": 2}}[option[0]] if option else {}
+    extra = {}
+    for o in option:  # fold, b2, lean, as the name has them
+      extra.update({"fold": {"fold": True}, "b2": {"blocks": 2}, "lean": {"lean": True}}[o])
     f = jax.jit(lambda q, kv, mask, backend=backend, extra=extra: api.decode_attention(
         q, kv[0], kv[1], mask, implementation="pallas", backend=backend, **extra))
     for _ in range(args.reps):

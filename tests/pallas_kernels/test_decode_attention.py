@@ -169,6 +169,34 @@ def test_mosaic_kernel_with_two_blocks_a_step_lowers_for_cuda(fmt):
   with pytest.raises(ValueError, match="blocks must be one of \\(1, 2\\), got 3"):
     decode_attention(q, k, v, mask, implementation="pallas", backend="mosaic", blocks=3)
 
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=fmt_id)
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_the_lean_mosaic_kernel_lowers_for_cuda(fmt, blocks):
+  """`lean` (each K chunk's and the first block's V^T registers freed by a wgmma wait before
+  the next are decoded): lowered for CUDA, for one and two blocks a step."""
+  args = jax.eval_shape(lambda: inputs(0, 2, 512, 4, 8, 128, fmt))
+  f = jax.jit(lambda q, k, v, m: decode_attention(q, k, v, m, implementation="pallas",
+                                                  backend="mosaic", splits=2, blocks=blocks,
+                                                  lean=True))
+  assert jax.export.export(f, platforms=["cuda"])(*args).out_avals[0].shape == (2, 32, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [MXFP4, NVFP4], ids=fmt_id)
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_the_lean_mosaic_kernel_computes_what_the_other_does_on_gpu(fmt, blocks):
+  """`lean` waits for matrix instructions earlier; the instructions and their order are the
+  same, so are the outputs, bit for bit."""
+  from pallas_kernels.fp4_matmul import mosaic as mosaic_matmul
+  if not mosaic_matmul.available():
+    pytest.fail("the Mosaic kernel's GPU test needs a Hopper GPU")
+  q, k, v, mask = inputs(11, 5, 4096, 4, 8, 128, fmt, lengths=[4096 - 37 * i for i in range(5)])
+  run = lambda lean: np.asarray(decode_attention(q, k, v, mask, implementation="pallas",
+                                                 backend="mosaic", blocks=blocks, lean=lean),
+                                np.float32)
+  np.testing.assert_array_equal(run(True), run(False))
+
+
 def test_mosaic_kernel_takes_fp4_caches_whose_v_it_reads_from_registers_only():
   """An FP4 cache of head_dim 64 (or any not a multiple of 128) would take V through shared
   memory, in O^T tiles of head_dim / 2 rows, fewer than wgmma's 64: refused by `unsupported`
@@ -208,7 +236,8 @@ def _emulated_partials(fmt):
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
   def partials(q_t, mask, end, k_arrays, v_arrays, *, fmt, splits, max_concurrent_steps,
-               fold=False, blocks=1):  # (folded or blocks a step: the same partials)
+               fold=False, blocks=1, lean=False):  # (folded, blocks a step, lean: the same
+    # partials)
     assert mask.shape[1] % (64 * blocks * splits) == 0
     b, kv, dh, rows = q_t.shape
     s = mask.shape[1]
