@@ -51,6 +51,9 @@ def get_config(arg=None):
   # the rollout's decode step as one scan over stacked layers (engine.scan_decode): compiles in
   # the same time at every depth, where the unrolled step grows with it
   c.scan_decode = False
+  # the trainer's attention (rl.attention): full | fused (jax.nn.dot_product_attention, cuDNN's
+  # fused kernel on a GPU)
+  c.attention = "full"
   c.seed = 0
   c.output = ""  # also write the JSON lines here
   # the first data x expert devices (trace_jax.sharding; data 0: every device that expert

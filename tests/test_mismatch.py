@@ -165,6 +165,23 @@ def test_a_policy_on_another_mesh_is_probed_on_the_probe_s(rows):
   assert [r["mismatch/kl_k3"] for r in got] == [r["mismatch/kl_k3"] for r in want]
 
 
+def test_the_trainers_fused_attention_is_probed_as_the_trainer_takes_it(rows):
+  """`attention=fused` (the trainer's `rl.attention`): the same rollouts recomputed with
+  jax.nn.dot_product_attention; records for every layer still leave no code flipped, and the
+  unguided rows are the full attention's up to rounding."""
+  c = quick_config()
+  c.precisions, c.attention = "mxfp4", "fused"
+  fused = mismatch.run(c)
+  full = [r for r in rows if r["rollout_quant"] == "mxfp4"]
+  assert [(r["records"], r["routing_replay"]) for r in fused] == [
+      (r["records"], r["routing_replay"]) for r in full]
+  for a, b in zip(fused, full):
+    assert a["attention"] == "fused" and b["attention"] == "full"
+    if a["records"] == "all" and a["routing_replay"]:
+      assert a["mismatch/flip_rate"] == 0.0
+    assert abs(a["mismatch/kl_k3"] - b["mismatch/kl_k3"]) <= 0.5 * b["mismatch/kl_k3"] + 1e-6
+
+
 def test_table_renders(rows):
   text = mismatch.table(rows, n_layers=2)
   assert text.count("\n") == len(rows) + 1 and "mxfp4" in text
@@ -182,6 +199,9 @@ def test_bad_choices_fail_before_work():
   c = mismatch_config.get_config("quick,kernels=cuda")
   with pytest.raises(ValueError,
                      match=r"kernels='cuda': choose from \['xla', 'pallas', 'tokamax'\]"):
+    mismatch.run(c)
+  c = mismatch_config.get_config("quick,attention=flash")
+  with pytest.raises(ValueError, match=r"attention='flash': choose from \['full', 'fused'\]"):
     mismatch.run(c)
 
 

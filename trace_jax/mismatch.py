@@ -29,6 +29,7 @@ from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
 from trace_jax import cli, distributed
 from trace_jax import sharding as S
 from trace_jax.models import QuantRecipe, init_params, load_hf, pack_weights, parse_layers, preset
+from trace_jax.models import layers as L
 from trace_jax.models.config import PRESETS, ModelConfig
 from trace_jax.models.recipe import precisions
 from trace_jax.rl import metrics as M
@@ -119,12 +120,14 @@ def rollout(cfg, params, precision: str, prompts, c, times: dict | None = None):
   return recipe, batch
 
 
-def _setting(cfg, recipe, temperature, params, batch, guide_L, replay):
+def _setting(cfg, recipe, temperature, attention, params, batch, guide_L, replay):
   """One (guidance, replay) recomputation and its metrics' arrays: traced once per precision,
-  the guidance and replay being arrays (`TrainPath`), so no setting recompiles."""
+  the guidance and replay being arrays (`TrainPath`), so no setting recompiles. `attention`:
+  the trainer's (`rl.attention`)."""
   out = recompute(cfg, params, batch.tokens, batch.valid, recipe, records=batch.records,
                   routes=batch.routes, rollout_routes=batch.routes, guide_layers=guide_L,
-                  replay=replay, temperature=temperature, collect_codes=True)
+                  replay=replay, temperature=temperature, collect_codes=True,
+                  attention=attention)
   predicts_response = batch.response_mask[:, 1:]  # positions whose outputs score a response
   return {
       "logp": M.logp_mismatch_arrays(batch.logp, out.logp, batch.response_mask),
@@ -143,7 +146,7 @@ def probe_precision(cfg, params, precision: str, prompts, c, times: dict | None 
   params = S.place(params, S.param_shardings(params, mesh(c), S.TRAIN_RULES))
   recipe, batch = rollout(cfg, params, precision, prompts, c, times)
   n_new = int(jnp.sum(batch.response_mask))
-  setting = jax.jit(functools.partial(_setting, cfg, recipe, c.temperature))
+  setting = jax.jit(functools.partial(_setting, cfg, recipe, c.temperature, c.attention))
   fed = batch.tokens.shape[0] * (batch.tokens.shape[1] - 1)
   guidances = _choices(c.guidance, None, "guidance") if recipe.recorded_sites(0, 1) else ["none"]
   rows, times["settings_s"] = [], []
@@ -153,7 +156,8 @@ def probe_precision(cfg, params, precision: str, prompts, c, times: dict | None 
     for replay in _choices(c.routing_replay, ("off", "on"), "routing_replay"):
       start = time.perf_counter()
       got = S.fetch(setting(params, batch, guide_L, jnp.asarray(replay == "on")))
-      row = {"rollout_quant": precision, "records": guidance, "routing_replay": replay == "on"}
+      row = {"rollout_quant": precision, "records": guidance, "routing_replay": replay == "on",
+             "attention": c.attention}
       row.update(M.logp_mismatch_summary(got["logp"], batch.response_mask,
                                          prompt_width=batch.prompt_width, n_buckets=c.n_buckets))
       if batch.codes:
@@ -184,7 +188,8 @@ def check(c: ml_collections.ConfigDict) -> None:
   the mesh is checked against the devices of every process)."""
   distributed.check(c.dist)
   _choices(c.precisions, precisions(), "precisions")
-  for key, allowed in (("kernels", KERNELS), ("attention_kernel", ATTENTION_KERNELS)):
+  for key, allowed in (("kernels", KERNELS), ("attention_kernel", ATTENTION_KERNELS),
+                       ("attention", tuple(L.ATTENTIONS))):
     if c[key] not in allowed:
       raise ValueError(f"{key}={c[key]!r}: choose from {list(allowed)}")
   if c.w4a4 and c.kernels != "pallas":
