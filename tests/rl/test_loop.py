@@ -242,3 +242,8 @@ def test_rl_from_another_runs_warm_start_starts_from_its_state_and_rows(data_dir
   with pytest.raises(ValueError, match=r"sft.init_from=.*keys \['seed', 'sft.lr'\]"):
     train(other, str(tmp_path / "other"), progress=False, log=quiet)
   assert not os.path.exists(tmp_path / "other" / "metrics.jsonl")
+  # rl.attention computes the warm start's loss too: a run of the fused attention has another
+  fused = smoke(data_dir, "trace", "log.flip_rate_every=0", "rl.attention=fused")
+  fused.sft.init_from = source
+  with pytest.raises(ValueError, match=r"sft.init_from=.*keys \['rl.attention'\]"):
+    train(fused, str(tmp_path / "fused"), progress=False, log=quiet)

@@ -297,10 +297,11 @@ def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = Fals
 
 # the keys a warm start does not read (they act from RL on, or say where and how the run runs):
 # a run may take its warm start from a run that differs from it there (sft.init_from), and
-# nowhere else. rl.aux_coef, rl.max_new_tokens and rl.remat are read by the warm start
+# nowhere else. rl.aux_coef, rl.max_new_tokens, rl.remat and rl.attention (its loss's attention)
+# are read by the warm start
 _AFTER_WARM_START = ("rl.", "eval.", "log.", "checkpoint.", "engine.", "mesh.", "dist.",
                      "data_dir", "deterministic", "sft.init_from")
-_READ_BY_WARM_START = ("rl.aux_coef", "rl.max_new_tokens", "rl.remat")
+_READ_BY_WARM_START = ("rl.aux_coef", "rl.max_new_tokens", "rl.remat", "rl.attention")
 
 
 def _warm_started(c, workdir: str):
