@@ -247,3 +247,32 @@ def test_rl_from_another_runs_warm_start_starts_from_its_state_and_rows(data_dir
   fused.sft.init_from = source
   with pytest.raises(ValueError, match=r"sft.init_from=.*keys \['rl.attention'\]"):
     train(fused, str(tmp_path / "fused"), progress=False, log=quiet)
+
+
+def test_a_warm_start_batch_that_cannot_be_built_fails_its_own_step(data_dir, tmp_path):
+  """The next warm-start step's batch is built while a step runs on the device; where building
+  it raises, the step that runs still ends with its metrics (its row and checkpoint are
+  written), and the step whose batch it is raises the error. A second signal (stop at once)
+  while it is built still stops the run at once."""
+  c = smoke(data_dir, "bf16", "log.flip_rate_every=0")
+  run = Run(c, str(tmp_path), CharTokenizer(make_task(c.task).alphabet()))
+  state = run.place_state(run.initial_state())
+
+  class Failing:
+    def __init__(self, batches, errors):
+      self.batches, self.errors = batches, errors
+
+    def __getitem__(self, step):
+      if step in self.errors:
+        raise self.errors[step]
+      return self.batches[step]
+
+  batches = run.sft_batches
+  run.sft_batches = Failing(batches, {1: ValueError("demonstration 7 is malformed")})
+  state, metrics = run.sft_step(state, 0)
+  assert np.isfinite(metrics["train/loss"])
+  with pytest.raises(ValueError, match="demonstration 7 is malformed"):
+    run.sft_step(state, 1)
+  run.sft_batches = Failing(batches, {2: Interrupted(signal.SIGTERM, at_once=True)})
+  with pytest.raises(Interrupted):
+    run.sft_step(state, 1)

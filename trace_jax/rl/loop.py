@@ -160,8 +160,16 @@ class Run:
   def sft_step(self, state, step):
     state, metrics = self.trainer.sft_step(state, self.sft_batch(step))
     # the next step's batch is built on the host while this one runs on the device (the
-    # metrics below wait for it): 256-turn episodes take a second of Python a batch
-    self._prepared = (step + 1, self.sft_batch(step + 1)) if step + 1 < self.c.sft.steps else None
+    # metrics below wait for it): 256-turn episodes take a second of Python a batch. One that
+    # cannot be built is left to its own step, which builds it again and raises there
+    self._prepared = None
+    if step + 1 < self.c.sft.steps:
+      try:
+        self._prepared = (step + 1, self.sft_batch(step + 1))
+      except Interrupted:  # a second signal: at once
+        raise
+      except Exception:  # noqa: BLE001 (raised again by step + 1, after this step's row)
+        pass
     return state, {k: float(v) for k, v in metrics.items()}
 
   def rl_step(self, state, step):
