@@ -238,13 +238,26 @@ def test_the_fused_attention_computes_the_full_one(h, kv):
   the left, on the right and not at all, its outputs and the gradients of q, K and V are the
   full attention's up to bf16 rounding, and a row with no valid slot before a query stays
   finite."""
-  b, t, dh = 3, 40, 16
+  fused_against_full(h, kv, 40)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [40, 39])
+def test_the_fused_attention_computes_the_full_one_on_gpu(t):
+  """The same on cuDNN's kernel, at an even length and at an odd one (padded by a slot no
+  query sees: cuDNN differentiates a biased attention at even lengths only)."""
+  assert jax.default_backend() == "gpu"
+  fused_against_full(8, 2, t)
+
+
+def fused_against_full(h, kv, t):
+  b, dh = 3, 16
   ks = jax.random.split(jax.random.PRNGKey(11), 4)
   q = jax.random.normal(ks[0], (b, t, h, dh), jnp.bfloat16)
   k = jax.random.normal(ks[1], (b, t, kv, dh), jnp.bfloat16)
   v = jax.random.normal(ks[2], (b, t, kv, dh), jnp.bfloat16)
   pos = jnp.arange(t)[None, :]
-  valid = (pos >= jnp.asarray([0, 5, 39])[:, None]) & (pos < jnp.asarray([40, 31, 40])[:, None])
+  valid = (pos >= jnp.asarray([0, 5, t - 1])[:, None]) & (pos < jnp.asarray([t, 31, t])[:, None])
   w = jax.random.normal(ks[3], (b, t, h, dh)) * valid[:, :, None, None]
 
   def grads(f):
@@ -262,3 +275,39 @@ def test_the_fused_attention_computes_the_full_one(h, kv):
   for a, b_ in zip(g1, g2):
     a, b_ = np.asarray(a, np.float32), np.asarray(b_, np.float32)
     assert np.linalg.norm(a - b_) <= 2e-2 * np.linalg.norm(b_)
+
+
+def test_the_fused_attention_hands_cudnn_an_even_length(monkeypatch):
+  """cuDNN's fused attention refuses an odd sequence length with a bias when differentiated
+  (jax's `check_is_flash_attention`: the long-horizon warm start's 8 + 1 532 - 1 tokens stopped
+  on an H100). On a GPU the fused attention pads an odd length by one masked slot, which leaves
+  the real slots' outputs and gradients as they were: here cuDNN is XLA's composition behind a
+  check of the length, on a backend that calls itself a GPU."""
+  real, seen = jax.nn.dot_product_attention, []
+
+  def cudnn(q, k, v, bias=None, implementation=None, **kw):
+    seen.append((q.shape[1], k.shape[1], implementation))
+    if implementation == "cudnn" and (q.shape[1] % 2 or k.shape[1] % 2):
+      raise NotImplementedError(f"Unsupported sequence length Q {q.shape[1]}, KV {k.shape[1]}.")
+    return real(q, k, v, bias=bias, implementation="xla", **kw)
+
+  b, t, h, kv, dh = 2, 39, 4, 2, 16
+  ks = jax.random.split(jax.random.PRNGKey(5), 4)
+  q = jax.random.normal(ks[0], (b, t, h, dh), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, t, kv, dh), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, t, kv, dh), jnp.bfloat16)
+  valid = jnp.arange(t)[None, :] < jnp.asarray([39, 30])[:, None]
+  w = jax.random.normal(ks[3], (b, t, h, dh)) * valid[:, :, None, None]
+
+  def grads(f):
+    loss = lambda q, k, v: jnp.sum(f(q, k, v, valid).astype(jnp.float32) * w)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  want = grads(L.ATTENTIONS["fused"])  # this backend: XLA's composition, any length
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax.nn, "dot_product_attention", cudnn)
+  got = grads(L.ATTENTIONS["fused"])
+  assert seen and all(s == (t + 1, t + 1, "cudnn") for s in seen), seen
+  for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32),
+                               atol=1e-6, rtol=1e-6)

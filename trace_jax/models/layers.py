@@ -161,14 +161,22 @@ def fused_attention(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, valid_BxT) -> jax.Array:
   it elsewhere. The mask goes in as a bf16 bias (0 or -1e9) of [B, 1, T, T], one for all heads,
   so any padding works; the probabilities and the backward's sums are cuDNN's, not the full attention's (q's
   gradient 3e-3 apart, relative, on that GPU), which is why the trainer takes it only when asked
-  (`rl.attention=fused`)."""
+  (`rl.attention=fused`). cuDNN takes a biased attention's gradient at even lengths only: an odd
+  one is padded by a slot that no query sees, and the extra query's row is dropped."""
   t = q_BxTxHxDh.shape[1]
-  mask = jnp.tril(jnp.ones((t, t), bool))[None, None] & valid_BxT[:, None, None, :]
-  bias = jnp.where(mask, 0.0, -1e9).astype(q_BxTxHxDh.dtype)
   # jax's own default (implementation=None) is XLA's composition on every backend
   implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
-  return jax.nn.dot_product_attention(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, bias=bias,
-                                      implementation=implementation)
+  pad = t % 2 if implementation == "cudnn" else 0
+  if pad:
+    q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0)))
+                                          for a in (q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh))
+    valid_BxT = jnp.pad(valid_BxT, ((0, 0), (0, pad)))
+  n = t + pad
+  mask = jnp.tril(jnp.ones((n, n), bool))[None, None] & valid_BxT[:, None, None, :]
+  bias = jnp.where(mask, 0.0, -1e9).astype(q_BxTxHxDh.dtype)
+  out = jax.nn.dot_product_attention(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, bias=bias,
+                                     implementation=implementation)
+  return out[:, :t]
 
 
 # the trainer's attention by name (`rl.attention`): the score matrix as XLA computes it, or
