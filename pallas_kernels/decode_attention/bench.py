@@ -214,7 +214,7 @@ def main():
   try:
     splits = [int(v) for v in args.splits.split(",") if v]
   except ValueError:
-    parser.error(f"--splits={args.splits!r}: comma-separated positive integers")
+    splits = [0]
   if any(n < 1 for n in splits):
     parser.error(f"--splits={args.splits!r}: comma-separated positive integers")
   configs += [{**c, "splits": n} for n in splits for c in configs]
