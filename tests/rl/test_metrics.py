@@ -47,3 +47,51 @@ def test_moe_mid_flip_rates_compare_codes_of_the_same_expert():
   assert f["mismatch/flip_rate/moe_mid/layer_0"] == 1.0  # 32 of expert 2's 32 codes
   with pytest.raises(ValueError, match="moe_mid codes are per expert slot"):
     M.flip_rates(cfg, recipe, codes_r, codes_t, mask)
+
+
+def _site_codes(n_layers, b, t):
+  """Code shapes of every site of a layer (the `gpu` policy's widths), as abstract arrays."""
+  import jax
+  import jax.numpy as jnp
+  shapes = {"attn_in": (b, t, 512), "attn_out": (b, t, 512), "moe_in": (b, t, 512),
+            "moe_mid": (b, t, 2, 512), "k": (b, t, 2, 64), "v": (b, t, 2, 64)}
+  codes = {layer: {site: jax.ShapeDtypeStruct(shape, jnp.uint8) for site, shape in shapes.items()}
+           for layer in range(n_layers)}
+  return codes, sum(int(np.prod(s)) for s in shapes.values())
+
+
+def test_flip_counts_need_no_memory_that_grows_with_the_codes(monkeypatch):
+  """The long-horizon `gpu` run's RL step stopped asking for 19.75 GiB in the flip counts of 128
+  episodes of 1 539 positions (12 layers): every site's comparison was kept at once, 4 bytes a
+  code of every layer. The counts' scratch memory stays within a chunk of rows
+  (`FLIP_CHUNK` codes, here 2^22) however many rows and layers are compared: 8 layers of 32
+  rows are 92M codes a path (369 MB at 4 bytes a code)."""
+  import jax
+  import jax.numpy as jnp
+  from trace_jax.models import QuantRecipe, tiny
+  monkeypatch.setattr(M, "FLIP_CHUNK", 2**22)
+  recipe = QuantRecipe.uniform("mxfp4")
+  b, t = 32, 128
+  for n in (1, 8):
+    codes, per_layer = _site_codes(n, b, t)
+    routes = jax.ShapeDtypeStruct((n, b, t, 2), jnp.uint8)
+    compiled = jax.jit(M.flip_counts, static_argnums=(0, 1)).lower(
+        tiny(n_layers=n), recipe, codes, codes, jax.ShapeDtypeStruct((b, t), bool), routes,
+        routes).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert n * per_layer > 2 * 2**22 and temp <= 1.5 * 4 * 2**22, (n, temp)
+
+
+def test_flip_counts_are_exact_past_float32s_integers():
+  """A site of more than 2^24 compared codes (one rollout's moe_mid codes at 128 x 1 539
+  positions: 2e8) counts every one of them: one flip in 4097 x 4097 codes is that rate."""
+  import jax.numpy as jnp
+  from trace_jax.models import QuantRecipe, tiny
+  n = 4097
+  codes_r = np.zeros((1, n, n), np.uint8)
+  codes_t = codes_r.copy()
+  codes_t[0, 5, 7] = 3
+  f = M.flip_rates(tiny(n_layers=1), QuantRecipe.uniform("mxfp4"),
+                   {0: {"attn_in": jnp.asarray(codes_r)}}, {0: {"attn_in": jnp.asarray(codes_t)}},
+                   jnp.ones((1, n), bool))
+  assert n * n > 2**24 and f["mismatch/flip_rate"] == 1 / (n * n)

@@ -115,34 +115,58 @@ def _check_routes(codes_rollout, routes_rollout, routes_train):
                      "routes (routes_rollout=, routes_train=)")
 
 
+# compared codes a chunk of batch rows holds at most (one row at least): what bounds
+# `flip_counts`' scratch memory, whatever the batch, length and depth
+FLIP_CHUNK = 2**24
+
+
 def flip_counts(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes_train: dict,
                 mask_BxT: jax.Array, routes_rollout: jax.Array | None = None,
                 routes_train: jax.Array | None = None) -> dict[str, jax.Array]:
   """`flip_rates`' counts as arrays (jittable: no host transfer): per site, in `_sites` order,
-  flipped and compared elements (float32 [S]), and both summed over sites per position."""
+  flipped and compared elements of each batch row (int32 [S, B]: exact, where float32 sums of
+  a site's 1e8 codes would not be; the host adds the rows), and both summed over sites per
+  position (int32 [B, T]). The rows are compared a chunk at a time (`lax.map`), a chunk at
+  most `FLIP_CHUNK` codes of every site and layer, so what the comparisons take besides the
+  codes does not grow with the batch, the length or the depth (compared all at once, one long
+  rollout's took 4 bytes a code of every layer)."""
   _check_routes(codes_rollout, routes_rollout, routes_train)
-  flips_S, elems_S = [], []
-  flips_BxT = jnp.zeros(mask_BxT.shape)
-  elems_BxT = jnp.zeros(mask_BxT.shape)
-  for layer, site in _sites(codes_rollout):
-    c_r, c_t = codes_rollout[layer][site], codes_train[layer][site]
-    sign = recipe.site_format(site, layer, cfg.n_layers).codec.sign_bit
-    canon = lambda c: jnp.where(c == sign, 0, c)
-    m = jnp.asarray(mask_BxT, bool)
-    w = jnp.broadcast_to(m.reshape(*m.shape, *(1,) * (c_r.ndim - 2)), c_r.shape)
-    if site == "moe_mid":
-      # the trainer's slot with the rollout slot's expert, where it has one
-      shared_BxTxk, src_BxTxk = L.match_experts(routes_rollout[layer], routes_train[layer])
-      c_t = jnp.take_along_axis(c_t, src_BxTxk[..., None], axis=2)
-      w = w & shared_BxTxk[..., None]
-    w = w.reshape(*c_r.shape[:2], -1).astype(jnp.float32)
-    diff = (canon(c_r) != canon(c_t)).reshape(*c_r.shape[:2], -1) * w
-    flips_S.append(jnp.sum(diff))
-    elems_S.append(jnp.sum(w))
-    flips_BxT = flips_BxT + jnp.sum(diff, axis=-1)
-    elems_BxT = elems_BxT + jnp.sum(w, axis=-1)
-  stack = lambda xs: jnp.stack(xs) if xs else jnp.zeros((0,))
-  return {"flips_S": stack(flips_S), "elems_S": stack(elems_S), "flips_BxT": flips_BxT,
+  sites = _sites(codes_rollout)
+  b = mask_BxT.shape[0]
+  if not sites:
+    return {"flips_SxB": jnp.zeros((0, b), jnp.int32), "elems_SxB": jnp.zeros((0, b), jnp.int32),
+            "flips_BxT": jnp.zeros(mask_BxT.shape, jnp.int32),
+            "elems_BxT": jnp.zeros(mask_BxT.shape, jnp.int32)}
+  per_row = sum(int(np.prod(codes_rollout[layer][site].shape[1:])) for layer, site in sites)
+  # a divisor of the batch, so the chunks are views of the codes (a remainder would be a copy)
+  rows = max(r for r in range(1, b + 1) if b % r == 0 and (r == 1 or r * per_row <= FLIP_CHUNK))
+  batch_major = lambda r: None if r is None else jnp.moveaxis(r, 1, 0)  # [B, layers, T, k]
+
+  def row(x):  # one batch row: codes [T, ...], mask [T], routes [layers, T, k]
+    c_rollout, c_train, m, r_rollout, r_train = x
+    flips_S, elems_S, flips_T, elems_T = [], [], 0, 0
+    for layer, site in sites:
+      c_r, c_t = c_rollout[layer][site], c_train[layer][site]
+      sign = recipe.site_format(site, layer, cfg.n_layers).codec.sign_bit
+      canon = lambda c: jnp.where(c == sign, 0, c)
+      w = jnp.broadcast_to(m.reshape(*m.shape, *(1,) * (c_r.ndim - 1)), c_r.shape)
+      if site == "moe_mid":
+        # the trainer's slot with the rollout slot's expert, where it has one
+        shared_Txk, src_Txk = L.match_experts(r_rollout[layer], r_train[layer])
+        c_t = jnp.take_along_axis(c_t, src_Txk[..., None], axis=-2)
+        w = w & shared_Txk[..., None]
+      per_position = lambda x: jnp.sum(x.reshape(c_r.shape[0], -1), axis=-1, dtype=jnp.int32)
+      flips = per_position((canon(c_r) != canon(c_t)) & w)
+      elems = per_position(w)
+      flips_S.append(jnp.sum(flips))
+      elems_S.append(jnp.sum(elems))
+      flips_T, elems_T = flips_T + flips, elems_T + elems
+    return jnp.stack(flips_S), jnp.stack(elems_S), flips_T, elems_T
+
+  flips_BxS, elems_BxS, flips_BxT, elems_BxT = jax.lax.map(
+      row, (codes_rollout, codes_train, jnp.asarray(mask_BxT, bool), batch_major(routes_rollout),
+            batch_major(routes_train)), batch_size=rows)
+  return {"flips_SxB": flips_BxS.T, "elems_SxB": elems_BxS.T, "flips_BxT": flips_BxT,
           "elems_BxT": elems_BxT}
 
 
@@ -154,8 +178,8 @@ def flip_rates_summary(counts: dict, codes_rollout: dict, mask_BxT, *,
                        n_buckets: int = 8) -> dict[str, float | list]:
   """`flip_rates` from the host copy of `flip_counts` (codes_rollout: only its structure)."""
   out, n_flip, n_all = {}, 0.0, 0.0
-  for (layer, site), f, e in zip(_sites(codes_rollout), counts["flips_S"], counts["elems_S"]):
-    flips, total = float(f), float(e)
+  for (layer, site), f, e in zip(_sites(codes_rollout), counts["flips_SxB"], counts["elems_SxB"]):
+    flips, total = (float(np.sum(x, dtype=np.int64)) for x in (f, e))
     out[f"mismatch/flip_rate/{site}/layer_{layer}"] = flips / max(total, 1.0)
     n_flip, n_all = n_flip + flips, n_all + total
   out["mismatch/flip_rate"] = n_flip / max(n_all, 1.0)
