@@ -64,7 +64,8 @@ def test_flip_counts_need_no_memory_that_grows_with_the_codes(monkeypatch):
   """The long-horizon `gpu` run's RL step stopped asking for 19.75 GiB in the flip counts of 128
   episodes of 1 539 positions (12 layers): every site's comparison was kept at once, 4 bytes a
   code of every layer. The counts' scratch memory stays within a chunk of rows
-  (`FLIP_CHUNK` codes, here 2^22) however many rows and layers are compared: 8 layers of 32
+  (`FLIP_CHUNK` codes of positions, here 2^22) however many rows, positions and layers are
+  compared: 8 layers of 32
   rows are 92M codes a path (369 MB at 4 bytes a code)."""
   import jax
   import jax.numpy as jnp
@@ -95,3 +96,27 @@ def test_flip_counts_are_exact_past_float32s_integers():
                    {0: {"attn_in": jnp.asarray(codes_r)}}, {0: {"attn_in": jnp.asarray(codes_t)}},
                    jnp.ones((1, n), bool))
   assert n * n > 2**24 and f["mismatch/flip_rate"] == 1 / (n * n)
+
+
+def test_flip_counts_by_chunks_are_the_counts_at_once(monkeypatch):
+  """Positions compared a chunk at a time, the last chunk overlapping the one before (37
+  positions in chunks of 5), count what one chunk of every position counts, per site, row and
+  position, moe_mid's expert matching included."""
+  import jax.numpy as jnp
+  from trace_jax.models import QuantRecipe, tiny
+  rng = np.random.default_rng(0)
+  b, t, layers = 3, 37, 2
+  shapes = {"attn_in": (b, t, 8), "moe_mid": (b, t, 2, 4), "k": (b, t, 2, 4)}
+  codes = lambda: {layer: {s: jnp.asarray(rng.integers(0, 3, shape, np.uint8))
+                           for s, shape in shapes.items()} for layer in range(layers)}
+  routes = lambda: jnp.asarray(np.sort(rng.choice(4, (layers, b, t, 2)), axis=-1), jnp.uint8)
+  args = (tiny(n_layers=layers), QuantRecipe.uniform("mxfp4"), codes(), codes(),
+          jnp.asarray(rng.random((b, t)) < 0.8), routes(), routes())
+  counts = {}
+  for chunk in (2**30, 5 * sum(int(np.prod(s[::2])) for s in shapes.values()) * layers):
+    monkeypatch.setattr(M, "FLIP_CHUNK", chunk)
+    counts[chunk] = {k: np.asarray(v) for k, v in M.flip_counts(*args).items()}
+  once, chunked = counts.values()
+  assert once.keys() == chunked.keys() and once["flips_SxB"].sum() > 0
+  for k in once:
+    np.testing.assert_array_equal(once[k], chunked[k], err_msg=k)

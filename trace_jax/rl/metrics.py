@@ -115,9 +115,9 @@ def _check_routes(codes_rollout, routes_rollout, routes_train):
                      "routes (routes_rollout=, routes_train=)")
 
 
-# compared codes a chunk of batch rows holds at most (one row at least): what bounds
+# compared codes a chunk of positions holds at most (one position at least): what bounds
 # `flip_counts`' scratch memory, whatever the batch, length and depth
-FLIP_CHUNK = 2**24
+FLIP_CHUNK = 2**26
 
 
 def flip_counts(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, codes_train: dict,
@@ -126,48 +126,57 @@ def flip_counts(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, code
   """`flip_rates`' counts as arrays (jittable: no host transfer): per site, in `_sites` order,
   flipped and compared elements of each batch row (int32 [S, B]: exact, where float32 sums of
   a site's 1e8 codes would not be; the host adds the rows), and both summed over sites per
-  position (int32 [B, T]). The rows are compared a chunk at a time (`lax.map`), a chunk at
-  most `FLIP_CHUNK` codes of every site and layer, so what the comparisons take besides the
+  position (int32 [B, T]). The positions are compared a chunk at a time, a chunk at most
+  `FLIP_CHUNK` codes of every row, site and layer, so what the comparisons take besides the
   codes does not grow with the batch, the length or the depth (compared all at once, one long
-  rollout's took 4 bytes a code of every layer)."""
+  rollout's took 4 bytes a code of every layer); chunks of positions, not of rows, keep each
+  device of a batch-split mesh on its own rows."""
   _check_routes(codes_rollout, routes_rollout, routes_train)
   sites = _sites(codes_rollout)
-  b = mask_BxT.shape[0]
+  b, t = mask_BxT.shape
+  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
   if not sites:
-    return {"flips_SxB": jnp.zeros((0, b), jnp.int32), "elems_SxB": jnp.zeros((0, b), jnp.int32),
-            "flips_BxT": jnp.zeros(mask_BxT.shape, jnp.int32),
-            "elems_BxT": jnp.zeros(mask_BxT.shape, jnp.int32)}
-  per_row = sum(int(np.prod(codes_rollout[layer][site].shape[1:])) for layer, site in sites)
-  # a divisor of the batch, so the chunks are views of the codes (a remainder would be a copy)
-  rows = max(r for r in range(1, b + 1) if b % r == 0 and (r == 1 or r * per_row <= FLIP_CHUNK))
-  batch_major = lambda r: None if r is None else jnp.moveaxis(r, 1, 0)  # [B, layers, T, k]
+    return {"flips_SxB": zeros(0, b), "elems_SxB": zeros(0, b), "flips_BxT": zeros(b, t),
+            "elems_BxT": zeros(b, t)}
+  per_position = sum(int(np.prod(codes_rollout[layer][site].shape[::2]))
+                     for layer, site in sites)  # [B, T, ...]: every row's codes but T's
+  size = max(1, min(t, FLIP_CHUNK // per_position))
+  mask_BxT = jnp.asarray(mask_BxT, bool)
 
-  def row(x):  # one batch row: codes [T, ...], mask [T], routes [layers, T, k]
-    c_rollout, c_train, m, r_rollout, r_train = x
-    flips_S, elems_S, flips_T, elems_T = [], [], 0, 0
+  def counts(start, fresh_n):  # positions start .. start + n - 1 where fresh_n: per site [B],
+    # over the sites [B, n]
+    n = fresh_n.shape[0]
+    take = lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, n, axis)
+    m = take(mask_BxT) & fresh_n
+    flips_S, elems_S, flips_Bxn, elems_Bxn = [], [], 0, 0
     for layer, site in sites:
-      c_r, c_t = c_rollout[layer][site], c_train[layer][site]
+      c_r, c_t = take(codes_rollout[layer][site]), take(codes_train[layer][site])
       sign = recipe.site_format(site, layer, cfg.n_layers).codec.sign_bit
       canon = lambda c: jnp.where(c == sign, 0, c)
-      w = jnp.broadcast_to(m.reshape(*m.shape, *(1,) * (c_r.ndim - 1)), c_r.shape)
+      w = jnp.broadcast_to(m.reshape(*m.shape, *(1,) * (c_r.ndim - 2)), c_r.shape)
       if site == "moe_mid":
         # the trainer's slot with the rollout slot's expert, where it has one
-        shared_Txk, src_Txk = L.match_experts(r_rollout[layer], r_train[layer])
-        c_t = jnp.take_along_axis(c_t, src_Txk[..., None], axis=-2)
-        w = w & shared_Txk[..., None]
-      per_position = lambda x: jnp.sum(x.reshape(c_r.shape[0], -1), axis=-1, dtype=jnp.int32)
-      flips = per_position((canon(c_r) != canon(c_t)) & w)
-      elems = per_position(w)
-      flips_S.append(jnp.sum(flips))
-      elems_S.append(jnp.sum(elems))
-      flips_T, elems_T = flips_T + flips, elems_T + elems
-    return jnp.stack(flips_S), jnp.stack(elems_S), flips_T, elems_T
+        shared_Bxnxk, src_Bxnxk = L.match_experts(take(routes_rollout[layer]),
+                                                  take(routes_train[layer]))
+        c_t = jnp.take_along_axis(c_t, src_Bxnxk[..., None], axis=2)
+        w = w & shared_Bxnxk[..., None]
+      each = lambda x: jnp.sum(x.reshape(b, n, -1), axis=-1, dtype=jnp.int32)
+      flips, elems = each((canon(c_r) != canon(c_t)) & w), each(w)
+      flips_S.append(jnp.sum(flips, axis=1))
+      elems_S.append(jnp.sum(elems, axis=1))
+      flips_Bxn, elems_Bxn = flips_Bxn + flips, elems_Bxn + elems
+    return jnp.stack(flips_S), jnp.stack(elems_S), flips_Bxn, elems_Bxn
 
-  flips_BxS, elems_BxS, flips_BxT, elems_BxT = jax.lax.map(
-      row, (codes_rollout, codes_train, jnp.asarray(mask_BxT, bool), batch_major(routes_rollout),
-            batch_major(routes_train)), batch_size=rows)
-  return {"flips_SxB": flips_BxS.T, "elems_SxB": elems_BxS.T, "flips_BxT": flips_BxT,
-          "elems_BxT": elems_BxT}
+  def add(i, acc):  # chunk i; the last one ends at T, its positions counted before not again
+    start = jnp.minimum(i * size, t - size)
+    f_S, e_S, f_n, e_n = counts(start, start + jnp.arange(size) >= i * size)
+    put = lambda a, x: jax.lax.dynamic_update_slice_in_dim(
+        a, jax.lax.dynamic_slice_in_dim(a, start, size, 1) + x, start, axis=1)
+    return acc[0] + f_S, acc[1] + e_S, put(acc[2], f_n), put(acc[3], e_n)
+
+  acc = (zeros(len(sites), b), zeros(len(sites), b), zeros(b, t), zeros(b, t))
+  acc = jax.lax.fori_loop(0, -(-t // size), add, acc)
+  return dict(zip(("flips_SxB", "elems_SxB", "flips_BxT", "elems_BxT"), acc))
 
 
 _flip_counts_jit = jax.jit(flip_counts, static_argnums=(0, 1))
