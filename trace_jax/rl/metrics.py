@@ -175,7 +175,8 @@ def flip_counts(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, code
     return acc[0] + f_S, acc[1] + e_S, put(acc[2], f_n), put(acc[3], e_n)
 
   acc = (zeros(len(sites), b), zeros(len(sites), b), zeros(b, t), zeros(b, t))
-  acc = jax.lax.fori_loop(0, -(-t // size), add, acc)
+  chunks = -(-t // size)
+  acc = add(0, acc) if chunks == 1 else jax.lax.fori_loop(0, chunks, add, acc)
   return dict(zip(("flips_SxB", "elems_SxB", "flips_BxT", "elems_BxT"), acc))
 
 
