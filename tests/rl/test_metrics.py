@@ -63,10 +63,9 @@ def _site_codes(n_layers, b, t):
 def test_flip_counts_need_no_memory_that_grows_with_the_codes(monkeypatch):
   """The long-horizon `gpu` run's RL step stopped asking for 19.75 GiB in the flip counts of 128
   episodes of 1 539 positions (12 layers): every site's comparison was kept at once, 4 bytes a
-  code of every layer. The counts' scratch memory stays within a chunk of rows
-  (`FLIP_CHUNK` codes of positions, here 2^22) however many rows, positions and layers are
-  compared: 8 layers of 32
-  rows are 92M codes a path (369 MB at 4 bytes a code)."""
+  code of every layer. The counts' scratch memory stays within a chunk of positions
+  (`FLIP_CHUNK` codes, here 2^22) however many rows, positions and layers are compared: 8
+  layers of 32 rows are 92M codes a path (369 MB at 4 bytes a code)."""
   import jax
   import jax.numpy as jnp
   from trace_jax.models import QuantRecipe, tiny

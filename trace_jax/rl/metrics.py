@@ -143,8 +143,9 @@ def flip_counts(cfg: ModelConfig, recipe: QuantRecipe, codes_rollout: dict, code
   size = max(1, min(t, FLIP_CHUNK // per_position))
   mask_BxT = jnp.asarray(mask_BxT, bool)
 
-  def counts(start, fresh_n):  # positions start .. start + n - 1 where fresh_n: per site [B],
-    # over the sites [B, n]
+  def counts(start, fresh_n):
+    """Positions start .. start + n - 1 where fresh_n -> per site [B], and over the sites
+    [B, n]."""
     n = fresh_n.shape[0]
     take = lambda x, axis=1: jax.lax.dynamic_slice_in_dim(x, start, n, axis)
     m = take(mask_BxT) & fresh_n
