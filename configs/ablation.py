@@ -60,8 +60,13 @@ GPU_SCHEDULE = {
     "coding": {"sft.steps": 300, "rl.steps": 100},
     # episodes of ~1 500 tokens: each layer's activations recomputed in the backward pass
     # (rl.remat, the trainer's, warm start included); without it one warm-start step at a
-    # batch of 8 asked for a 29.9 GB buffer on CPU
+    # batch of 8 asked for a 29.9 GB buffer on CPU. The warm start's loss on cuDNN's fused
+    # attention (sft.attention): its step at 32 episodes took 631 ms against the full
+    # attention's 873 on an H100 (BENCHMARKS.md), ~1.6 of the ~7 minutes every GPU machine
+    # spends making a seed's warm start again; RL's trainer keeps the full attention, whose
+    # sums every mode's measured mismatch shares
     "long_horizon": {"task.long_horizon.turns": 256, "sft.steps": 400, "sft.batch_size": 32,
+                     "sft.attention": "fused",
                      "rl.steps": 60, "rl.prompts_per_step": 16, "eval.size": 50,
                      "eval.batch_size": 50, "rl.remat": "layer", "engine.kernels": "pallas",
                      "rl.lr": 1e-4}}

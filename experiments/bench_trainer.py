@@ -15,7 +15,8 @@ record bytes per fed token (`record/bytes_per_token`, the RL loop's metric). Tim
 GPU only; compare ratios within one run. `--out` also writes the rows as JSON.
 
 `--step=sft` times the supervised warm-start step instead (bf16 and the same for every mode:
-one row, teacher-forced on the same batch, its loss on the sampled tokens), and
+one row, teacher-forced on the same batch, its loss on the sampled tokens, its attention
+`sft.attention`'s), and
 `--deterministic` asks XLA for the deterministic GPU ops that the RL loop runs with by default
 (`deterministic=true`); without it XLA picks its faster non-deterministic ones:
 
@@ -75,7 +76,7 @@ def one_mode(c, mode: str, args) -> dict:
   options = RLOptions(clip_eps=c.rl.clip_eps, aux_coef=c.rl.aux_coef,
                       minibatches=c.rl.minibatches, routing_replay=c.rl.routing_replay,
                       temperature=c.rl.temperature, remat=c.rl.remat,
-                      attention=c.rl.attention)
+                      attention=c.rl.attention, sft_attention=c.sft.attention)
   trainer = Trainer(cfg, setup, make_optimizer(c.sft.lr, c.rl.lr, 0), options)
   state = trainer.init_state(params)
   sft = {"tokens": batch["tokens"], "valid": batch["valid"], "loss_mask": batch["response_mask"]}

@@ -101,15 +101,23 @@ def _metrics(workdir):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_two_gpu_runs_of_one_config_repeat_each_other(tmp_path):
+@pytest.mark.parametrize("family,mode,sft_steps,rl_steps,eval_size", [
+    ("reasoning", "trace", 30, 2, 100),
+    # its warm start on cuDNN's fused attention (the schedule's sft.attention), episodes of
+    # ~1 500 tokens: each GPU machine makes a seed's warm start again, which must be the same
+    ("long_horizon", "bf16", 8, 0, 50)])
+def test_two_gpu_runs_of_one_config_repeat_each_other(tmp_path, family, mode, sft_steps,
+                                                       rl_steps, eval_size):
   """The `gpu` policy of the GPU ablation (12 layers, 16 experts), a short warm start and two RL
-  steps with MXFP4 rollouts and records, twice from scratch by the entry point: every metric
-  of every step equal (losses, gradient norms, rewards, greedy accuracy, mismatch). On XLA's
-  defaults (atomic scatter-adds in the gradients of the embedding and of the MoE dispatch) the
-  GPU ablation's runs of one seed started RL from different warm starts."""
-  args = ["--config=configs/ablation.py:family=reasoning,mode=trace,seed=0,scale=gpu",
-          "--config.sft.steps=30", "--config.rl.steps=2", "--config.eval.size=100",
-          "--config.checkpoint.every=1000", "--config.log.tensorboard=false", "--noprogress"]
+  steps with MXFP4 rollouts and records (or a long-horizon warm start alone), twice from
+  scratch by the entry point: every metric of every step equal (losses, gradient norms,
+  rewards, greedy accuracy, mismatch). On XLA's defaults (atomic scatter-adds in the gradients
+  of the embedding and of the MoE dispatch) the GPU ablation's runs of one seed started RL from
+  different warm starts."""
+  args = [f"--config=configs/ablation.py:family={family},mode={mode},seed=0,scale=gpu",
+          f"--config.sft.steps={sft_steps}", f"--config.rl.steps={rl_steps}",
+          f"--config.eval.size={eval_size}", "--config.checkpoint.every=1000",
+          "--config.log.tensorboard=false", "--noprogress"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   runs = []
   for i in range(2):
@@ -118,6 +126,6 @@ def test_two_gpu_runs_of_one_config_repeat_each_other(tmp_path):
                           *args], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     runs.append(_metrics(workdir))
-  assert len(runs[0]) == 32 and any("eval/accuracy" in r for r in runs[0])
+  assert len(runs[0]) == sft_steps + rl_steps and any("eval/accuracy" in r for r in runs[0])
   for a, b in zip(*runs):
     assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}

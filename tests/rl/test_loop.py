@@ -16,7 +16,7 @@ from tests.test_main import comparable, data_dir, smoke  # noqa: F401 (data_dir:
 from trace_jax.rl.checkpoint import Checkpointer
 from trace_jax.data.tokenizer import CharTokenizer
 from trace_jax.models import stacks
-from trace_jax.rl.loop import Interrupted, Run, _config_json, train
+from trace_jax.rl.loop import Interrupted, Run, _config_json, _warm_started, train
 from trace_jax.rl.validate import make_task
 from trace_jax.rl.writer import MetricsWriter, read_metrics
 
@@ -242,11 +242,19 @@ def test_rl_from_another_runs_warm_start_starts_from_its_state_and_rows(data_dir
   with pytest.raises(ValueError, match=r"sft.init_from=.*keys \['seed', 'sft.lr'\]"):
     train(other, str(tmp_path / "other"), progress=False, log=quiet)
   assert not os.path.exists(tmp_path / "other" / "metrics.jsonl")
-  # rl.attention computes the warm start's loss too: a run of the fused attention has another
-  fused = smoke(data_dir, "trace", "log.flip_rate_every=0", "rl.attention=fused")
+  # sft.attention computes the warm start's loss: a run of the fused attention has another;
+  # rl.attention acts from RL on, so a run of another trainer attention takes this warm start
+  fused = smoke(data_dir, "trace", "log.flip_rate_every=0", "sft.attention=fused")
   fused.sft.init_from = source
-  with pytest.raises(ValueError, match=r"sft.init_from=.*keys \['rl.attention'\]"):
+  with pytest.raises(ValueError, match=r"sft.init_from=.*keys \['sft.attention'\]"):
     train(fused, str(tmp_path / "fused"), progress=False, log=quiet)
+  rl_fused = smoke(data_dir, "trace", "log.flip_rate_every=0", "rl.attention=fused")
+  rl_fused.sft.init_from = source
+  _, state = _warm_started(rl_fused, str(tmp_path / "rl_fused"))
+  mine = Checkpointer(started)
+  for a, b in zip(*(jax.tree.leaves(s) for s in (state, mine.restore(SFT, like)[0]))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  mine.close()
 
 
 def test_a_warm_start_batch_that_cannot_be_built_fails_its_own_step(data_dir, tmp_path):

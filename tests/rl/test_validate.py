@@ -75,3 +75,31 @@ def test_warmup_steps_outside_the_warm_start_are_refused(warmup):
   with pytest.raises(ValueError, match=rf"sft.warmup_steps \({warmup}\) must be within 0 and "
                                        r"sft.steps \(6\)"):
     validate(c, n_devices=1)
+
+
+def test_the_warm_start_and_rl_each_take_their_own_attention(monkeypatch):
+  """sft.attention computes the warm start's loss, rl.attention the GRPO step's; a name
+  outside layers.ATTENTIONS is refused by its key before any work."""
+  from trace_jax.models import layers as L
+  called = []
+  for name, attend in list(L.ATTENTIONS.items()):
+    def spy(*args, name=name, attend=attend):
+      called.append(name)
+      return attend(*args)
+    monkeypatch.setitem(L.ATTENTIONS, name, spy)
+  cfg, params = policy()
+  setup = mode_setup("bf16")
+  trainer = Trainer(cfg, setup, make_optimizer(1e-3, 1e-3, 1),
+                    RLOptions(attention="full", sft_attention="fused"))
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 12), 0, cfg.vocab_size)
+  valid = jnp.ones(tokens.shape, bool)
+  state = trainer.init_state(jax.tree.map(jnp.copy, params))  # the step donates it
+  trainer.sft_step(state, {"tokens": tokens, "valid": valid, "loss_mask": valid})
+  assert set(called) == {"fused"}
+  called.clear()
+  routes = jnp.zeros((cfg.n_layers, 2, 11, cfg.top_k), jnp.uint8)
+  jax.jit(trainer._forward)(params, {"tokens": tokens, "valid": valid, "records": {},
+                                     "routes": routes})
+  assert set(called) == {"full"}
+  with pytest.raises(ValueError, match=r"sft.attention='flash': choose one of .*'full'"):
+    validate(config("trace", "sft.attention=flash"), n_devices=1)

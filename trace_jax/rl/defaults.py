@@ -48,9 +48,11 @@ def base_config() -> ml_collections.ConfigDict:
   # policy, optimizer state and metric rows, evaluated again at this run's rollout precision.
   # Runs that compare modes then start RL from one policy (experiments/ablation.py); train the
   # warm start once with rl.steps=0. warmup_steps: the rate rises linearly to lr over the first
-  # steps (0: lr from the first step)
+  # steps (0: lr from the first step). attention: the warm start's loss attention (full | fused,
+  # as rl.attention, which is RL's alone): the warm start is bf16 in every mode and shared by
+  # the modes it is compared across, so its attention enters no mode's mismatch
   c.sft = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=3e-3, warmup_steps=0,
-                                         init_from=""))
+                                         init_from="", attention="full"))
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 500

@@ -70,7 +70,8 @@ class Run:
                         correction_cap=c.rl.correction_cap, kl_coef=c.rl.kl_coef,
                         aux_coef=c.rl.aux_coef, minibatches=c.rl.minibatches,
                         routing_replay=c.rl.routing_replay, temperature=c.rl.temperature,
-                        remat=c.rl.remat, attention=c.rl.attention)
+                        remat=c.rl.remat, attention=c.rl.attention,
+                        sft_attention=c.sft.attention)
     optimizer = make_optimizer(c.sft.lr, c.rl.lr, c.sft.steps, sft_warmup=c.sft.warmup_steps,
                                max_grad_norm=c.optim.max_grad_norm,
                                weight_decay=c.optim.weight_decay, b2=c.optim.b2)
@@ -305,11 +306,11 @@ def _open(c, workdir: str, ckpt: Checkpointer, log=print, set_aside: bool = Fals
 
 # the keys a warm start does not read (they act from RL on, or say where and how the run runs):
 # a run may take its warm start from a run that differs from it there (sft.init_from), and
-# nowhere else. rl.aux_coef, rl.max_new_tokens, rl.remat and rl.attention (its loss's attention)
-# are read by the warm start
+# nowhere else. rl.aux_coef, rl.max_new_tokens and rl.remat are read by the warm start (its
+# loss's attention is sft.attention; rl.attention acts from RL on)
 _AFTER_WARM_START = ("rl.", "eval.", "log.", "checkpoint.", "engine.", "mesh.", "dist.",
                      "data_dir", "deterministic", "sft.init_from")
-_READ_BY_WARM_START = ("rl.aux_coef", "rl.max_new_tokens", "rl.remat", "rl.attention")
+_READ_BY_WARM_START = ("rl.aux_coef", "rl.max_new_tokens", "rl.remat")
 
 
 def _warm_started(c, workdir: str):

@@ -114,12 +114,15 @@ class RLOptions:
   temperature: float = 1.0
   remat: str = "none"  # none | layer: each layer's activations recomputed in the backward pass
   attention: str = "full"  # full | fused: the trainer's attention (layers.ATTENTIONS)
+  sft_attention: str = "full"  # the warm start's (sft.attention)
 
   def __post_init__(self):
     if self.remat not in REMAT:
       raise ValueError(f"rl.remat={self.remat!r}: choose one of {REMAT}")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"rl.attention={self.attention!r}: choose one of {ATTENTIONS}")
+    if self.sft_attention not in ATTENTIONS:
+      raise ValueError(f"sft.attention={self.sft_attention!r}: choose one of {ATTENTIONS}")
     if self.correction not in grpo.CORRECTIONS:
       raise ValueError(f"rl.correction={self.correction!r}: choose one of {grpo.CORRECTIONS}")
     if self.minibatches < 1:
@@ -161,7 +164,7 @@ class Trainer:
   def _sft_step(self, state, batch):
     def loss_fn(params):
       out = recompute(self.cfg, params, batch["tokens"], batch["valid"], remat=self.remat,
-                      attention=self.o.attention)
+                      attention=self.o.sft_attention)
       nll = -_masked_mean(out.logp, batch["loss_mask"])
       return nll + self.o.aux_coef * out.aux_loss, (nll, out.aux_loss)
 

@@ -92,6 +92,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
                      f"engine.kernels=pallas (got {c.engine.kernels!r})")
   _choice("rl.remat", c.rl.remat, REMAT)
   _choice("rl.attention", c.rl.attention, ATTENTIONS)
+  _choice("sft.attention", c.sft.attention, ATTENTIONS)
   hf = hf_policy.check(c)  # the checkpoint's shape with model.hf_path
   n_layers = (hf or c.model).n_layers
   parse_layers(c.rl.trace_layers, n_layers, what="rl.trace_layers")
