@@ -215,6 +215,12 @@ def test_a_config_saved_before_a_key_existed_loads_with_its_default(data_dir):
   moved = saved_config(old)
   assert (moved.engine.kernels, moved.engine.attention_kernel) == ("pallas", "mosaic")
   assert "kernels" not in moved.rl and "attention_kernel" not in moved.rl
+  # before sft.attention, rl.attention computed the warm start's loss too
+  del old["sft"]["attention"]
+  old["rl"]["attention"] = "fused"
+  assert (saved_config(old).sft.attention, saved_config(old).rl.attention) == ("fused", "fused")
+  old["rl"]["attention"] = "full"
+  assert saved_config(old).sft.attention == "full"
 
 
 def test_a_run_resumes_with_its_data_elsewhere():

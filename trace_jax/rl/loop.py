@@ -242,6 +242,9 @@ def saved_config(saved: dict) -> ml_collections.ConfigDict:
     (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
     if old_key in saved.get(old_section, {}):
       saved.setdefault(new_section, {})[new_key] = saved[old_section].pop(old_key)
+  if "attention" not in saved.get("sft", {}) and "attention" in saved.get("rl", {}):
+    # before sft.attention, the warm start's loss took rl.attention
+    saved.setdefault("sft", {})["attention"] = saved["rl"]["attention"]
   c = base_config()
   c.update(saved)
   return c
