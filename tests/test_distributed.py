@@ -23,7 +23,7 @@ from tests import multiprocess as mp
 from trace_jax import mismatch
 from trace_jax.rl.writer import read_metrics
 
-TIMING = ("time/", "rollout/tokens_per_s")
+TIMING = ("time/", "rollout/tokens_per_s", "memory/")
 PROBE = dict(precisions="mxfp4", guidance="none,all", routing_replay="off", batch=8,
              max_new_tokens=8)
 

@@ -12,13 +12,15 @@ import pytest
 
 from configs import coding, long_horizon, reasoning
 from trace_jax.rl.checkpoint import Checkpointer
+from trace_jax.rl import loop
 from trace_jax.rl.loop import _check_same_config, _config_json, saved_config, train
+from trace_jax.rl.summary import format_summary
 from trace_jax.rl.trainer import MODES
 from trace_jax.rl.writer import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # wall-clock measurements differ between runs; everything else must not
-TIMING = ("time/", "rollout/tokens_per_s")
+TIMING = ("time/", "rollout/tokens_per_s", "memory/")
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +68,11 @@ def comparable(rows):
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow)
                                   if m in ("trace_all", "fp4_rollout", "fp4_qat") else m
                                   for m in MODES])
-def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
+def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path, monkeypatch):
   c = smoke(data_dir, mode, "rl.routing_replay=true", "rl.correction=tis")
+  # a device that counts its memory (a GPU's allocator; a CPU's counts none): its peak so far
+  peaks = iter(range(1, 1000))
+  monkeypatch.setattr(loop, "peak_memory", lambda: {"memory/peak_gib": float(next(peaks))})
   summary = train(c, str(tmp_path), progress=False, log=lambda *_: None)
   rows = read_metrics(str(tmp_path))
   assert [r["step"] for r in rows] == list(range(c.sft.steps + c.rl.steps))
@@ -87,6 +92,23 @@ def test_every_mode_runs_and_writes_the_metrics(mode, data_dir, tmp_path):
   assert (rl[0]["record/bytes_per_token"] > 0) == mode.startswith("trace")
   assert os.path.exists(tmp_path / "tensorboard") and os.path.exists(tmp_path / "tokenizer.json")
   assert summary["mode"] == mode and summary["reward_last"] is not None
+  assert [r["memory/peak_gib"] for r in rows] == list(range(1, len(rows) + 1))
+  assert summary["peak_memory_gib"] == len(rows)
+  assert f"peak device memory: {len(rows)}.0 GiB" in format_summary(summary)
+
+
+def test_the_peak_memory_is_the_devices_where_it_counts_it(monkeypatch):
+  class Device:
+    def __init__(self, stats):
+      self.stats = stats
+
+    def memory_stats(self):
+      return self.stats
+
+  for stats, want in ((None, {}), ({}, {}), ({"peak_bytes_in_use": 3 << 29, "bytes_in_use": 1},
+                                             {"memory/peak_gib": 1.5})):
+    monkeypatch.setattr(loop.jax, "local_devices", lambda stats=stats: [Device(stats)])
+    assert loop.peak_memory() == want
 
 
 # the two runs (about 50 and 100 s) under -m slow: the long-horizon episodes (one KV cache,

@@ -233,6 +233,16 @@ def _config_json(c) -> dict:
   return json.loads(c.to_json())
 
 
+def peak_memory() -> dict[str, float]:
+  """{"memory/peak_gib": the most memory this process has held on its first device so far}
+  where the backend counts it (a GPU's allocator; {} on CPU): what a run needs of a device, to
+  size the runs that share one (experiments/ablation.py --jobs)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" not in stats:
+    return {}
+  return {"memory/peak_gib": stats["peak_bytes_in_use"] / 2**30}
+
+
 def saved_config(saved: dict) -> ml_collections.ConfigDict:
   """A run's saved config, with the keys added to the schema since it was written at their
   defaults (the behaviour that run had), and keys that moved where they are now, so that older
@@ -433,6 +443,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
         # the whole step as the run paid for it (its update, rollout and evaluation); the first
         # of each program includes its compilation
         metrics["time/step_s"] = time.perf_counter() - started
+        metrics.update(peak_memory())
         if not np.isfinite(metrics["train/loss"]):
           last = ckpt.latest_step()
           raise FloatingPointError(

@@ -34,6 +34,9 @@ def summarize(workdir: str, c) -> dict:
       "route_flip_rate": mean(rl, "mismatch/route_flip_rate"),
       "rollout_tokens_per_s": mean(rl, "rollout/tokens_per_s"),
       "record_bytes_per_token": mean(rl, "record/bytes_per_token"),
+      # the device memory the run's process held at most (a GPU's; None on CPU)
+      "peak_memory_gib": max((r["memory/peak_gib"] for r in rows if "memory/peak_gib" in r),
+                             default=None),
   }
 
 
@@ -49,5 +52,7 @@ def format_summary(s: dict) -> str:
       f"resolves {M.KL_RESOLUTION:.0e}: one ulp of dlogp at logp = -1)",
       f"  flip rate (mean of diagnostic steps): {f(s['flip_rate'], '{:.4f}')}",
       f"  rollout tokens/s: {f(s['rollout_tokens_per_s'], '{:.0f}')}   "
-      f"record bytes/token: {f(s['record_bytes_per_token'], '{:.0f}')}",
+      f"record bytes/token: {f(s['record_bytes_per_token'], '{:.0f}')}"
+      + (f"   peak device memory: {s['peak_memory_gib']:.1f} GiB"
+         if s.get("peak_memory_gib") is not None else ""),
   ])
