@@ -19,7 +19,8 @@ from trace_jax.rl.trainer import MODES
 from trace_jax.rl.writer import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# wall-clock measurements differ between runs; everything else must not
+# wall-clock measurements and the allocator's peak (a resumed process has its own) differ
+# between runs; everything else must not
 TIMING = ("time/", "rollout/tokens_per_s", "memory/")
 
 
