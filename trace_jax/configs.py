@@ -33,6 +33,10 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
 # keys that moved, section.key -> section.key where it is now (saved runs are read with them
 # moved there: trace_jax.rl.loop.saved_config)
 MOVED = {"rl.kernels": "engine.kernels", "rl.attention_kernel": "engine.attention_kernel"}
+# keys split off another, section.key -> the key whose value they took before they existed
+# (saved runs without them are read with that value: trace_jax.rl.loop.saved_config); before
+# sft.attention, the warm start's loss took rl.attention
+SPLIT_FROM = {"sft.attention": "rl.attention"}
 
 
 def set_key(config: ml_collections.ConfigDict, key: str, value) -> None:

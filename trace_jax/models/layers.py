@@ -161,9 +161,9 @@ def fused_attention(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, valid_BxT) -> jax.Array:
   it elsewhere. The mask goes in as a bf16 bias (0 or -1e9) of [B, 1, T, T], one for all heads,
   so any padding works; the probabilities and the backward's sums are cuDNN's, not the full
   attention's (q's gradient 3e-3 apart, relative, on that GPU), which is why the trainer takes
-  it only when asked (`rl.attention=fused`). cuDNN takes a biased attention's gradient at even
-  lengths only: an odd one is padded by a slot that no query sees, and the extra query's row is
-  dropped."""
+  it only when asked (`rl.attention=fused`; the warm start's, `sft.attention=fused`). cuDNN
+  takes a biased attention's gradient at even lengths only: an odd one is padded by a slot that
+  no query sees, and the extra query's row is dropped."""
   t = q_BxTxHxDh.shape[1]
   # jax's own default (implementation=None) is XLA's composition on every backend
   implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"

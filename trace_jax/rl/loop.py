@@ -32,7 +32,7 @@ from tqdm import tqdm
 from trace_jax import determinism
 from trace_jax import distributed as D
 from trace_jax import sharding as S
-from trace_jax.configs import MOVED
+from trace_jax.configs import MOVED, SPLIT_FROM
 from trace_jax.data.pipeline import demonstration, record_batches, supervised_batch
 from trace_jax.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer_json
 from trace_jax.models import ModelConfig, init_params, pack_weights
@@ -252,9 +252,10 @@ def saved_config(saved: dict) -> ml_collections.ConfigDict:
     (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
     if old_key in saved.get(old_section, {}):
       saved.setdefault(new_section, {})[new_key] = saved[old_section].pop(old_key)
-  if "attention" not in saved.get("sft", {}) and "attention" in saved.get("rl", {}):
-    # before sft.attention, the warm start's loss took rl.attention
-    saved.setdefault("sft", {})["attention"] = saved["rl"]["attention"]
+  for new, old in SPLIT_FROM.items():
+    (new_section, new_key), (old_section, old_key) = new.split("."), old.split(".")
+    if new_key not in saved.get(new_section, {}) and old_key in saved.get(old_section, {}):
+      saved.setdefault(new_section, {})[new_key] = saved[old_section][old_key]
   c = base_config()
   c.update(saved)
   return c
