@@ -30,7 +30,9 @@ kernel's time on full caches (8K-32K, BENCHMARKS.md "V^T from registers too"), a
 rollout on it decodes 1.08x / 1.04x / 1.11x the tokens per second of the rollout on the Triton
 one at batch 16 / 64 / 256 (2026-12-04, "NVFP4 attention in the rollout"): "auto" runs it for
 NVFP4 caches of those head dims and Triton for the others. That is `attention_kernel` "auto";
-"triton" or "mosaic" ask for one backend.
+"triton" or "mosaic" ask for one backend; "jax_triton" runs bf16 caches on the same program as
+"triton" written in Triton's own language (`decode_attention.triton_kernel`, through jax-triton:
+Pallas' Triton lowering is deprecated from jax 0.11) and FP4 caches as "triton" does.
 On a backend other than GPU the Triton kernels run in Pallas' interpret mode (tiled weights
 taken back first): slow, for tests.
 """
@@ -61,7 +63,8 @@ KERNELS = ("xla", "pallas", "tokamax")
 FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
 # the projections of one input the kernels' weight sync packs as one weight (`KernelOps.fuse`)
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
-ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
+ATTENTION_KERNELS = ("auto", "triton", "mosaic", "jax_triton")  # the decode attention's, under
+# "pallas" ("jax_triton": bf16 caches on the kernel in Triton's own language, FP4 ones as "triton")
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
 # besides NVFP4 ones whose V it takes from registers (`mosaic_attention.v_in_registers`)
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
@@ -231,7 +234,8 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
   sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots (`fold`: MXFP4's scales folded, the
   same outputs; `blocks`: 64-slot blocks a pipeline step for FP4 caches whose slots they
-  divide, one otherwise); elsewhere the Triton one runs. "auto" is "mosaic" for the formats of
+  divide, one otherwise); elsewhere the Triton one runs. "jax_triton" runs bf16 caches on the
+  kernel in Triton's own language and FP4 ones as "triton". "auto" is "mosaic" for the formats of
   MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the Mosaic kernel takes from
   registers, else "triton"."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
@@ -242,6 +246,12 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
     faster = fmt in MOSAIC_ATTENTION_FORMATS or (
         fmt == "nvfp4" and mosaic_attention.v_in_registers(fmt, head_dim))
     backend = "mosaic" if faster else "triton"
+  block_s = _divisor(slots, (64, 32, 16))
+  if backend == "jax_triton" and fmt == "bf16":
+    if block_s is None or not supports_attention(slots, head_dim, block_s):
+      return None
+    return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas",
+                            backend="jax_triton", block_s=block_s)
   if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
       kv, head_dim, q_BxHxDh.shape[1] // kv, fmt, slots):
     span = mosaic_attention.BLOCK_S * blocks
@@ -250,7 +260,6 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
     steps = slots // span
     return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", backend="mosaic",
                             splits=_mosaic_splits(b * kv, steps, span), fold=fold, blocks=blocks)
-  block_s = _divisor(slots, (64, 32, 16))
   if block_s is None or not supports_attention(slots, head_dim, block_s):
     return None
   return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", block_s=block_s,

@@ -27,6 +27,7 @@ pure=(ml-collections==1.1.0 tensorflow-datasets==4.9.10 reasoning-gym==0.1.25
       portpicker==1.6.0 promise==2.3 pyfiglet==1.0.2 pytz==2026.6 simple-parsing==0.1.9
       tensorflow-metadata==1.21.0 termcolor==3.3.0 toml==0.10.2 tzdata==2026.6 zss==1.2.0
       pytest-xdist==3.8.0 execnet==2.1.2  # these two: pyproject.toml's pytest addopts
+      jax-triton==0.3.1  # the kernels in Triton's own language (its triton is the machine's)
       # the benchmarks' other bf16 engine (bench_rollout's bf16:tokamax; not a dependency of the
       # project) and what it needs besides
       tokamax==0.0.12 einshape==1.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 qwix==0.1.8

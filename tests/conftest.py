@@ -24,6 +24,14 @@ if "jax" not in sys.modules and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
+def pytest_configure(config):
+  """Kernels in Triton's own language run in its interpreter in every test but the GPU ones
+  (`pallas_kernels.triton_call`); Triton reads this when it is first imported, which a test
+  module may do (transformers' models import it where it is installed)."""
+  if "gpu" not in (config.getoption("markexpr") or "").replace("not gpu", ""):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config):
   """`-n auto` (pyproject.toml's addopts) gives a worker to each core, but runs GPU tests in

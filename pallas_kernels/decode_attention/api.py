@@ -17,7 +17,8 @@ from pallas_kernels.decode_attention.cache import cache_arrays, cache_format, de
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
-BACKENDS = ("triton", "mosaic")  # the Pallas lowering of the "pallas" path
+BACKENDS = ("triton", "mosaic", "jax_triton")  # the kernel of the "pallas" path: Pallas' Triton
+# lowering, Mosaic GPU, or Triton's own language through jax-triton (bf16 caches; `triton_kernel`)
 MIN_ROWS = 16  # the smallest matrix-instruction tile: query heads per kv head are padded to a
 # power of two of at least this many rows
 
@@ -61,6 +62,13 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   if cache_format(k) != cache_format(v):
     raise ValueError(f"K ({cache_format(k)}) and V ({cache_format(v)}) caches must share a "
                      "format")
+  if backend == "jax_triton":
+    if interpret or poison or cache_format(k) != "bf16":
+      raise ValueError("the jax_triton backend takes bf16 caches, runs in Triton's interpreter "
+                       "where there is no GPU and starts its outputs as NaN there: no interpret "
+                       "or poison argument")
+    return _jax_triton(q_BxHxDh, k, v, mask_BxS, block_s=block_s, splits=splits,
+                       num_warps=num_warps, num_stages=num_stages)
   if backend == "mosaic":
     if interpret or poison:
       raise ValueError("the mosaic backend has no interpret mode and no poisoned outputs: use "
@@ -93,4 +101,35 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   out = kernel.combine(o, m, l)[:, :, :g]  # NaN here means an unwritten (poisoned) element
   if fmt != "bf16":
     out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)
+  return out.reshape(b, h, dh).astype(jnp.bfloat16)
+
+
+def _jax_triton(q_BxHxDh, k, v, mask_BxS, *, block_s, splits, num_warps, num_stages):
+  """The bf16-cache kernel in Triton's language (`triton_kernel.bf16_attention`), around the same
+  padding, splits and combine as the Pallas kernel's."""
+  from pallas_kernels import triton_call
+  b, h, dh = q_BxHxDh.shape
+  s, kv = k.shape[1], k.shape[2]
+  if not supports(s, dh, block_s):
+    raise ValueError(f"the jax_triton kernel needs the cache's {s} slots divisible by block_s "
+                     f"({block_s}, a power of two >= 16) and head_dim ({dh}) a power of two "
+                     ">= 32 (Triton's tiles are powers of two)")
+  g = h // kv
+  rows = max(_pow2(g), MIN_ROWS)
+  q = q_BxHxDh.astype(jnp.bfloat16).reshape(b, kv, g, dh)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+  splits = splits or default_splits(b * kv, s // block_s)
+  if (s // block_s) % splits:
+    raise ValueError(f"splits ({splits}) must divide the {s // block_s} blocks of {block_s} "
+                     "slots")
+  kernels = triton_call.load("pallas_kernels.decode_attention.triton_kernel")
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  o, m, l = triton_call.call(
+      kernels.bf16_attention, q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS),
+      k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+      out_shape=[f32(splits, b, kv, rows, dh), f32(splits, b, kv, rows), f32(splits, b, kv, rows)],
+      grid=(b, kv, splits), num_warps=num_warps, num_stages=num_stages,
+      name="triton_decode_attention", B=b, S=s, KV=kv, ROWS=rows, DH=dh, BLOCK_S=block_s,
+      SLOTS_PER_SPLIT=s // splits, SCALE=dh**-0.5)
+  out = kernel.combine(o, m, l)[:, :, :g]
   return out.reshape(b, h, dh).astype(jnp.bfloat16)

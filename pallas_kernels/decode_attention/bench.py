@@ -1,15 +1,17 @@
 """Benchmark of decode attention over FP4 and bf16 KV caches, in one run.
 
     python -m pallas_kernels.decode_attention.bench [--out=DIR] [--batches=16,64]
-        [--contexts=2048,8192,32768] [--backends=triton,mosaic] [--formats=bf16,mxfp4,nvfp4]
+        [--contexts=2048,8192,32768] [--backends=triton,mosaic,jax_triton]
+        [--formats=bf16,mxfp4,nvfp4]
         [--configs='mosaic c2,triton s64w4st2'] [--splits=4,8,16]
 
 qwen3_30b_a3b attention (32 query heads on 4 kv heads, head_dim 128), one query per sequence,
 every slot valid. Per (batch, context): XLA's bf16 attention (the reference), the project's
 bf16 kernel, PyTorch's `scaled_dot_product_attention` (enable_gqa, its [B, Kv, S, Dh] layout,
 no mask) when torch sees a GPU, XLA on the dequantized MXFP4 cache, and the Pallas kernel on
-MXFP4 and NVFP4 caches over a few tile configurations of its two backends (Triton; Mosaic, the
-wgmma kernel, when the device is a Hopper GPU), each also at the sequence splits `--splits`
+MXFP4 and NVFP4 caches over a few tile configurations of its backends (Triton; Mosaic, the
+wgmma kernel, when the device is a Hopper GPU; on bf16 caches also the Triton program in
+Triton's own language, through jax-triton), each also at the sequence splits `--splits`
 asks for (by default `cache.default_splits`'). Each variant is checked against its
 reference first (rel err). Times are the kernels' device time (`pallas_kernels.timing.time_calls`)
 over cache copies larger than the L2 cache; bytes count the caches (codes, scales, globals),
@@ -35,7 +37,10 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 BATCHES = (16, 64)
 CONTEXTS = (2048, 8192, 32768)
 FORMATS = ("bf16", "mxfp4", "nvfp4")  # the caches: bf16 (the project's kernels and PyTorch's)
-CONFIGS = [dict(backend="triton", block_s=bs, num_warps=w, num_stages=st)
+# Triton's tiles, for the Pallas kernel and for the same program in Triton's own language
+# ("jax_triton", bf16 caches only)
+CONFIGS = [dict(backend=backend, block_s=bs, num_warps=w, num_stages=st)
+           for backend in ("triton", "jax_triton")
            for bs, w, st in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3)]] + [
            dict(backend="mosaic", max_concurrent_steps=n) for n in (2, 4, 6)] + [
            dict(backend="mosaic", max_concurrent_steps=2, fold=True),  # MXFP4 caches only
@@ -49,13 +54,15 @@ def label(cfg: dict) -> str:
   """A tile configuration in a few characters: triton s64w4st2, mosaic c4, mosaic c2 fold (the
   MXFP4 scales folded, `mosaic.FOLD_REF`), mosaic c2 b2 (two 64-slot blocks a step), mosaic c2
   lean (fewer registers live, `mosaic._body`); " x8":
-  8 splits of the sequence (`--splits`) instead of `cache.default_splits`'."""
+  8 splits of the sequence (`--splits`) instead of `cache.default_splits`'; jax_triton s64w4st2:
+  the bf16-cache kernel in Triton's own language."""
   splits = f" x{cfg['splits']}" if cfg.get("splits") else ""
   if cfg.get("backend") == "mosaic":
     return (f"mosaic c{cfg['max_concurrent_steps']}" + (" fold" if cfg.get("fold") else "")
             + (f" b{cfg['blocks']}" if cfg.get("blocks", 1) > 1 else "")
             + (" lean" if cfg.get("lean") else "") + splits)
-  return f"triton s{cfg['block_s']}w{cfg['num_warps']}st{cfg['num_stages']}" + splits
+  return (f"{cfg['backend']} s{cfg['block_s']}w{cfg['num_warps']}st{cfg['num_stages']}"
+          + splits)
 
 
 def _rel(a, b) -> float:
@@ -137,7 +144,8 @@ def _shape(result, b, s, key, configs, formats):
     ref = jax.jit(xla)((q, mask), caches[0])
     if fmt == "mxfp4":
       record(f"xla {fmt} dequant", time_calls(xla, (q, mask), caches), kv_bytes, 0.0)
-    for cfg in [c for c in configs if fmt == "mxfp4" or not c.get("fold")]:
+    for cfg in [c for c in configs if (fmt == "mxfp4" or not c.get("fold"))
+                and c["backend"] != "jax_triton"]:
       p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
                                                       implementation="pallas", **cfg)
       attempt(lambda p=p, cfg=cfg, caches=caches, kv_bytes=kv_bytes, ref=ref, fmt=fmt: record(
@@ -181,7 +189,7 @@ def main():
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
   parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-  parser.add_argument("--backends", default="triton,mosaic",
+  parser.add_argument("--backends", default=",".join(api.BACKENDS),
                       help="the kernel backends to time (comma-separated)")
   parser.add_argument("--configs", default="",
                       help="only these tile configurations (comma-separated labels, e.g. "

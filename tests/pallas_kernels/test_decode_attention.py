@@ -74,6 +74,65 @@ def test_kernel_in_interpret_mode(fmt, b, s, kv, g, dh, block_s, splits):
   assert rel(got, want) < 4e-3
 
 
+# The bf16-cache kernel in Triton's own language (backend "jax_triton"): Triton's interpreter on
+# CPU (its outputs start as NaN there, so an element it fails to write shows), compiled through
+# jax-triton on a GPU (-m gpu).
+
+@pytest.mark.parametrize("b,s,kv,g,dh,block_s,splits", [
+    (2, 128, 2, 4, 64, 32, 2),      # G < 16: padded query rows
+    (3, 64, 2, 2, 128, 32, None),   # head_dim 128, the default split count
+    (1, 64, 1, 20, 32, 32, None)])  # G = 20: padded to 32 rows
+def test_jax_triton_kernel_in_the_interpreter(b, s, kv, g, dh, block_s, splits):
+  q, k, v, mask = inputs(b * s + g, b, s, kv, g, dh, None, lengths=[s - 5 * i for i in range(b)])
+  got = decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton",
+                         block_s=block_s, splits=splits)
+  want = decode_attention(q, k, v, mask)
+  pallas = decode_attention(q, k, v, mask, implementation="pallas", block_s=block_s,
+                            splits=splits, interpret=True)
+  assert got.shape == want.shape and got.dtype == jnp.bfloat16
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, want) < 4e-3
+  assert rel(got, pallas) < 4e-3  # the Pallas kernel's program: the same roundings, other sums
+
+
+def test_jax_triton_kernel_reads_no_block_past_the_sequence_end_and_skips_empty_rows():
+  q, k, v, mask = inputs(15, 3, 128, 2, 4, 64, None, lengths=[128, 40, 0])
+  want = decode_attention(q, k, v, mask)
+  kp, vp = (poisoned_past(poisoned_past(c, 1, 64, None), 2, 0, None) for c in (k, v))
+  got = decode_attention(q, kp, vp, mask, implementation="pallas", backend="jax_triton",
+                         block_s=32, splits=2)
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  assert np.all(np.asarray(got[2], np.float32) == 0)  # no valid slot: attends to nothing
+  assert rel(got, want) < 4e-3
+
+
+def test_jax_triton_backend_names_what_it_does_not_take():
+  q, k, v, mask = inputs(7, 1, 64, 1, 2, 32, MXFP4)
+  with pytest.raises(ValueError, match="takes bf16 caches"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton")
+  q, k, v, mask = inputs(7, 1, 64, 1, 2, 32, None)
+  with pytest.raises(ValueError, match="no interpret"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton",
+                     interpret=True)
+  with pytest.raises(ValueError, match="divisible by block_s"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton", block_s=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s,block_s,g,dh,splits", [
+    (1, 512, 64, 8, 128, None), (16, 2048, 64, 8, 128, None), (5, 4096, 128, 8, 128, 4),
+    (3, 1024, 64, 20, 64, None)])
+def test_jax_triton_kernel_on_gpu(b, s, block_s, g, dh, splits):
+  q, k, v, mask = inputs(b * s, b, s, 4, g, dh, None, lengths=[s - 37 * i for i in range(b)])
+  got = decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton",
+                         block_s=block_s, splits=splits)
+  want = decode_attention(q, k, v, mask)
+  pallas = decode_attention(q, k, v, mask, implementation="pallas", block_s=block_s,
+                            splits=splits)
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, want) < 4e-3 and rel(got, pallas) < 4e-3
+
+
 def test_a_sequence_with_no_valid_slot_attends_to_nothing():
   q, k, v, mask = inputs(2, 2, 64, 1, 2, 32, MXFP4)
   mask = mask.at[1].set(False)  # also a whole split of sequence 0 masked
@@ -419,7 +478,8 @@ def test_mosaic_kernel_on_gpu(fmt, fold, blocks, b, s, g, dh, splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,backend", [(MXFP4, "mosaic"), (MXFP4, "triton"), (NVFP4, "triton"),
                                          (None, "triton"), (NVFP4, "mosaic"), (None, "mosaic"),
-                                         (MXFP4, "mosaic b2"), (NVFP4, "mosaic b2")],
+                                         (MXFP4, "mosaic b2"), (NVFP4, "mosaic b2"),
+                                         (None, "jax_triton")],
                          ids=lambda v: fmt_id(v) if v is None or hasattr(v, "name") else v)
 def test_compiled_kernels_on_partly_filled_caches(fmt, backend):
   """Compiled: sequences from empty to full in a 2048-slot cache, non-finite values past each

@@ -348,6 +348,27 @@ def test_pallas_attention_over_a_cache_it_has_not_filled():
   np.testing.assert_allclose(got, want, atol=0.03)
 
 
+def test_jax_triton_attention_in_the_engine():
+  """attention_kernel="jax_triton": a bf16 rollout's decode attention on the Triton program in
+  Triton's own language (Triton's interpreter here), over a cache it has not filled (48 slots,
+  three 16-slot blocks), against the Pallas Triton kernel's rollout (interpret mode): the same
+  program, so the same tokens and, the interpreter summing in numpy's order where Pallas'
+  sums in XLA's, log-probabilities within rounding (7.3e-4 apart at most here)."""
+  from pallas_kernels import dispatch as K
+  cfg, params = policy()
+  recipe = QuantRecipe.uniform("bf16")
+  tokens, lengths = pad_prompts(PROMPTS)
+  sampling = SamplingConfig(max_new_tokens=30, temperature=0.0)
+  weights = pack_weights(cfg, params, recipe, ops=K.make_ops("pallas"))
+  out = {a: RolloutEngine(cfg, recipe, sampling, attn_chunk=16, kernels="pallas",
+                          attention_kernel=a).generate(weights, tokens, lengths,
+                                                       jax.random.PRNGKey(7))
+         for a in ("triton", "jax_triton")}
+  got, want = out["jax_triton"], out["triton"]
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=5e-3)
+
+
 def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials, attention="mosaic"):
   """Greedy rollouts of a policy with sizes the Mosaic kernel takes for every cache format (head_dim
   a multiple of 64; a slot's FP4 scales of all kv heads 16 bytes or more) on the Mosaic attention,

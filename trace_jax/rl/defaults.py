@@ -93,7 +93,8 @@ def base_config() -> ml_collections.ConfigDict:
   # it is installed: a baseline for the benchmarks)
   c.engine.kernels = "xla"
   # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
-  # Triton one otherwise, as measured) | triton | mosaic
+  # Triton one otherwise, as measured) | triton | mosaic | jax_triton (bf16 caches on the same
+  # Triton program in Triton's own language, through jax-triton; FP4 caches as triton)
   c.engine.attention_kernel = "auto"
   # the decode step as one lax.scan per run of layers alike (compiled once whatever the depth;
   # the rollout weights then stacked as the master params are) or layer by layer (false, as
