@@ -21,7 +21,9 @@ default explicitly): `make_ops(fp4_order=...)`; `+apart` on a pallas variant the
 each on its own, where the weight sync packs q, k and v as one, and gate and up as one
 (`make_ops(fuse=False)`); `+fold` on an MXFP4 pallas variant the Mosaic kernels' decode with
 the scales folded, `engine.fold_scales`; `+b2` on an FP4 pallas variant the Mosaic attention's
-two 64-slot blocks a pipeline step, `RolloutEngine(attention_blocks=2)`) and
+two 64-slot blocks a pipeline step, `RolloutEngine(attention_blocks=2)`; `+jt` on a pallas
+variant the bf16 Triton kernels, matmuls and attention over bf16 caches, as the same programs
+in Triton's own language through jax-triton, `engine.triton_backend=jax_triton`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -75,7 +77,7 @@ VARIANTS = ("bf16:xla", "bf16:pallas", "bf16:tokamax", "mxfp4:xla", "mxfp4:palla
 
 
 ORDER_SUFFIXES = ("+pairs", "+halves")
-SUFFIXES = ("+scan", "+w4a4", "+apart", "+fold", "+b2", *ORDER_SUFFIXES)
+SUFFIXES = ("+scan", "+w4a4", "+apart", "+fold", "+b2", "+jt", *ORDER_SUFFIXES)
 
 
 class Variant(NamedTuple):
@@ -89,10 +91,11 @@ class Variant(NamedTuple):
   fuse: bool  # the weight sync packs the projections of one input as one weight
   fold: bool = False  # the Mosaic kernels decode MXFP4 with the scales folded
   blocks: int = 1  # the Mosaic attention's 64-slot blocks a pipeline step
+  triton_backend: str = "pallas"  # how the bf16 Triton kernels are called
 
 
 def parse_variant(v: str) -> Variant:
-  """A variant, "precision:kernels[:attention][+scan][+w4a4][+apart][+fold][+b2][+pairs|
+  """A variant, "precision:kernels[:attention][+scan][+w4a4][+apart][+fold][+b2][+jt][+pairs|
   +halves]" -> `Variant`."""
   name, flags = v, set()
   while name.endswith(SUFFIXES):
@@ -102,7 +105,7 @@ def parse_variant(v: str) -> Variant:
   base, attention = ":".join(parts[:2]), (parts[2] if len(parts) == 3 else "auto")
   if base not in VARIANTS or len(parts) > 3 or attention not in ATTENTION_KERNELS or (
       len(parts) == 3 and parts[1] in ("xla", "tokamax")) or (
-          flags & {"+w4a4", "+apart", *ORDER_SUFFIXES} and parts[1] != "pallas") or (
+          flags & {"+w4a4", "+apart", "+jt", *ORDER_SUFFIXES} and parts[1] != "pallas") or (
           flags & set(ORDER_SUFFIXES) and (parts[0] == "bf16" or "+w4a4" in flags)) or (
           set(ORDER_SUFFIXES) <= flags) or (
           "+fold" in flags and (base != "mxfp4:pallas" or "+w4a4" in flags)) or (
@@ -110,7 +113,8 @@ def parse_variant(v: str) -> Variant:
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
-                     "a pallas one with +w4a4 (the W4A4 matmuls), +apart (each projection "
+                     "a pallas one with +w4a4 (the W4A4 matmuls), +jt (the bf16 Triton "
+                     "kernels in Triton's own language), +apart (each projection "
                      "packed apart), mxfp4:pallas without +w4a4 with +fold (the scales folded), "
                      "an FP4 pallas one with +b2 (two blocks a step of the Mosaic attention), "
                      "or, FP4 without +w4a4, "
@@ -118,7 +122,8 @@ def parse_variant(v: str) -> Variant:
                      f"{FP4_ORDER})")
   order = next((o[1:] for o in ORDER_SUFFIXES if o in flags), FP4_ORDER)
   return Variant(parts[0], parts[1], attention, "+scan" in flags, "+w4a4" in flags, order,
-                 "+apart" not in flags, "+fold" in flags, 2 if "+b2" in flags else 1)
+                 "+apart" not in flags, "+fold" in flags, 2 if "+b2" in flags else 1,
+                 "jax_triton" if "+jt" in flags else "pallas")
 
 
 def random_cache(shapes: list, key) -> list:
@@ -439,7 +444,8 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
   packed = {}
   sampling = SamplingConfig(max_new_tokens=steps, temperature=1.0)
   for variant in variants:
-    precision, kernels, attention, scan, w4a4, order, fuse, fold, blocks = parse_variant(variant)
+    (precision, kernels, attention, scan, w4a4, order, fuse, fold, blocks,
+     triton_backend) = parse_variant(variant)
     # "triton": FP4 weights packed plainly; "tokamax" (bf16) lays nothing out
     layout = "pallas" if kernels == "pallas" else "xla"
     kernels = "pallas" if kernels == "triton" else kernels
@@ -460,7 +466,7 @@ def run(layers: int, batches: list, context: int, steps: int, variants: list[str
     weights = packed[precision, layout, scan]
     engine = RolloutEngine(cfg, recipe, sampling, kernels=kernels, attention_kernel=attention,
                            scan_decode=scan, w4a4=w4a4, fold_scales=fold,
-                           attention_blocks=blocks)
+                           attention_blocks=blocks, triton_backend=triton_backend)
     for b in batches:
       largest, compiled = b == "max", {}
       memory, stage = {}, "compiling the loop"

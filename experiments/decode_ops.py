@@ -132,8 +132,8 @@ def run(variants, layers: int = 2, batch: int = 64, context: int = 4080,
   cfg = model_preset(preset, n_layers=layers)
   result = {"preset": preset, "layers": layers, "batch": batch, "context": context, "rows": []}
   for variant in variants:
-    (precision, kernels, attention, scan, w4a4, order, fuse, fold,
-     blocks) = bench_rollout.parse_variant(variant)
+    (precision, kernels, attention, scan, w4a4, order, fuse, fold, blocks,
+     triton_backend) = bench_rollout.parse_variant(variant)
     if kernels == "xla":
       raise ValueError(f"{variant}: decode_ops counts what surrounds the kernels; take a "
                        "pallas or triton variant")
@@ -146,7 +146,8 @@ def run(variants, layers: int = 2, batch: int = 64, context: int = 4080,
           jax.random.PRNGKey(0))
       engine = RolloutEngine(cfg, recipe, SamplingConfig(max_new_tokens=4, temperature=1.0),
                              kernels="pallas", attention_kernel=attention, scan_decode=scan,
-                             w4a4=w4a4, fold_scales=fold, attention_blocks=blocks)
+                             w4a4=w4a4, fold_scales=fold, attention_blocks=blocks,
+                             triton_backend=triton_backend)
       state = jax.eval_shape(
           lambda k: bench_rollout.decode_state(engine, weights, batch, context, 4, k),
           jax.random.PRNGKey(1))

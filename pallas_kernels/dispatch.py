@@ -30,9 +30,10 @@ kernel's time on full caches (8K-32K, BENCHMARKS.md "V^T from registers too"), a
 rollout on it decodes 1.08x / 1.04x / 1.11x the tokens per second of the rollout on the Triton
 one at batch 16 / 64 / 256 (2026-12-04, "NVFP4 attention in the rollout"): "auto" runs it for
 NVFP4 caches of those head dims and Triton for the others. That is `attention_kernel` "auto";
-"triton" or "mosaic" ask for one backend; "jax_triton" runs bf16 caches on the same program as
-"triton" written in Triton's own language (`decode_attention.triton_kernel`, through jax-triton:
-Pallas' Triton lowering is deprecated from jax 0.11) and FP4 caches as "triton" does.
+"triton" or "mosaic" ask for one backend. `triton_backend` "jax_triton" runs the bf16 Triton
+kernels (matmuls, dense and grouped, and the attention over bf16 caches) as the same programs
+written in Triton's own language, through jax-triton (`pallas_kernels.triton_call`), Pallas'
+Triton lowering being deprecated from jax 0.11; "pallas" (the default) on that lowering.
 On a backend other than GPU the Triton kernels run in Pallas' interpret mode (tiled weights
 taken back first): slow, for tests.
 """
@@ -63,8 +64,11 @@ KERNELS = ("xla", "pallas", "tokamax")
 FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, BENCHMARKS.md)
 # the projections of one input the kernels' weight sync packs as one weight (`KernelOps.fuse`)
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
-ATTENTION_KERNELS = ("auto", "triton", "mosaic", "jax_triton")  # the decode attention's, under
-# "pallas" ("jax_triton": bf16 caches on the kernel in Triton's own language, FP4 ones as "triton")
+ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
+# how the bf16 Triton kernels (the matmuls, dense and grouped, and the attention over bf16 caches)
+# are called: Pallas' Triton lowering, or the same programs in Triton's own language through
+# jax-triton (`pallas_kernels.triton_call`; Pallas' Triton lowering is deprecated from jax 0.11)
+TRITON_BACKENDS = ("pallas", "jax_triton")
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
 # besides NVFP4 ones whose V it takes from registers (`mosaic_attention.v_in_registers`)
 _FP4_WEIGHTS = FP4_WEIGHT_FORMATS  # what the FP4 matmul kernels, Triton and Mosaic, take
@@ -73,7 +77,8 @@ _FP4_CACHES = ("mxfp4", "nvfp4")
 
 def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp.bfloat16,
              w4a4: bool = False, fp4_order: str = FP4_ORDER, fuse: bool = True,
-             fold_scales: bool = False, attention_blocks: int = 1):
+             fold_scales: bool = False, attention_blocks: int = 1,
+             triton_backend: str = "pallas"):
   """The rollout path's ops for `kernels` ("xla" | "pallas" | "tokamax": `TokamaxOps`, a bf16
   baseline on that package's kernels) and, under "pallas", the decode attention's backend
   ("auto" | "triton" | "mosaic"); act_dtype: the model's activations (the kernels take bf16).
@@ -87,7 +92,8 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   `mosaic_attention.FOLD_REF`; 1-2% faster attention, no change in the 48-layer rollout on an
   H100: BENCHMARKS.md). `attention_blocks`: 64-slot blocks a pipeline step of the Mosaic
   attention over FP4 caches (`mosaic_attention.BLOCKS`; 2 is correct and takes 1.04-1.14x the time
-  of 1 in 11 of 12 shapes on an H100: BENCHMARKS.md)."""
+  of 1 in 11 of 12 shapes on an H100: BENCHMARKS.md). `triton_backend`: how the bf16 Triton
+  kernels are called (`TRITON_BACKENDS`)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
   if fp4_order not in FP4_ORDERS:
@@ -95,11 +101,15 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   if attention_kernel not in ATTENTION_KERNELS:
     raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
                      f"{attention_kernel!r}")
+  if triton_backend not in TRITON_BACKENDS:
+    raise ValueError(f"triton_backend must be one of {TRITON_BACKENDS}, got {triton_backend!r}")
   if attention_blocks not in mosaic_attention.BLOCKS:
     raise ValueError(f"attention_blocks must be one of {mosaic_attention.BLOCKS}, got "
                      f"{attention_blocks!r}")
-  if kernels != "pallas" and (w4a4 or fold_scales or attention_blocks > 1):
-    what = "w4a4" if w4a4 else "fold_scales" if fold_scales else "attention_blocks > 1"
+  if kernels != "pallas" and (w4a4 or fold_scales or attention_blocks > 1
+                               or triton_backend != "pallas"):
+    what = ("w4a4" if w4a4 else "fold_scales" if fold_scales else "attention_blocks > 1"
+            if attention_blocks > 1 else f"triton_backend={triton_backend!r}")
     raise ValueError(f"{what} runs the Pallas kernels: it needs kernels='pallas'")
   if kernels == "xla":
     return XLA
@@ -112,7 +122,7 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
     raise ValueError("w4a4 needs Hopper's FP8 wgmma (the Mosaic GPU kernels); this GPU has none")
   return KernelOps(attention_kernel, w4a4=w4a4, fp4_order=fp4_order,
                    fuse=FUSED if fuse else (), fold_scales=fold_scales,
-                   attention_blocks=attention_blocks)
+                   attention_blocks=attention_blocks, triton_backend=triton_backend)
 
 
 def _interpret() -> bool:
@@ -172,28 +182,43 @@ def _folds(w, fold: bool) -> dict:
   return {"fold": True} if fold and isinstance(w, TiledFP4) else {}
 
 
-def _linear(x: jax.Array, w, fold: bool = False) -> jax.Array | None:
+def _bf16_call(triton_backend: str) -> dict:
+  """How a bf16 Triton kernel is called: Pallas' lowering (interpret mode off a GPU) or, with
+  "jax_triton", Triton's own language (its interpreter off a GPU)."""
+  if triton_backend == "jax_triton":
+    return {"backend": "jax_triton"}
+  return {"interpret": _interpret()}
+
+
+def _linear(x: jax.Array, w, fold: bool = False,
+            triton_backend: str = "pallas") -> jax.Array | None:
   """x [..., K] @ w [K, N] by a kernel, or None where no kernel takes w (or, for bf16 weights
   from BF16_XLA_FROM tokens on, where XLA's dot is the faster one). `fold`: MXFP4's scales
-  folded in the Mosaic kernel (the same outputs)."""
+  folded in the Mosaic kernel (the same outputs); `triton_backend`: the bf16 kernel's
+  (`TRITON_BACKENDS`)."""
   tiles = _tiles(w)
   if tiles is None or isinstance(w, jax.Array) and x.size // x.shape[-1] >= BF16_XLA_FROM:
     return None
-  matmul = bf16_matmul if isinstance(w, jax.Array) else fp4_matmul
-  return matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles,
-                **_folds(w, fold))
+  if isinstance(w, jax.Array):
+    return bf16_matmul(x, w, implementation="pallas", **tiles, **_bf16_call(triton_backend))
+  return fp4_matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles,
+                    **_folds(w, fold))
 
 
-def _experts(x_RxD: jax.Array, w, rows, fold: bool = False) -> jax.Array | None:
+def _experts(x_RxD: jax.Array, w, rows, fold: bool = False,
+             triton_backend: str = "pallas") -> jax.Array | None:
   """x's rows through their experts' w [E, K, N] (`rows`: the model's `ExpertRows`, whose
-  gathers the kernel's wrapper composes with its own) by a kernel, or None. `fold` as in
-  `_linear`."""
+  gathers the kernel's wrapper composes with its own) by a kernel, or None. `fold` and
+  `triton_backend` as in `_linear`."""
   tiles = _tiles(w)
   if tiles is None:
     return None
-  matmul = grouped_bf16_matmul if isinstance(w, jax.Array) else grouped_fp4_matmul
-  return matmul(x_RxD, w, rows.group_sizes, rows.src, rows.back, rows.slots,
-                implementation="pallas", interpret=_interpret(), **tiles, **_folds(w, fold))
+  args = (x_RxD, w, rows.group_sizes, rows.src, rows.back, rows.slots)
+  if isinstance(w, jax.Array):
+    return grouped_bf16_matmul(*args, implementation="pallas", **tiles,
+                               **_bf16_call(triton_backend))
+  return grouped_fp4_matmul(*args, implementation="pallas", interpret=_interpret(), **tiles,
+                            **_folds(w, fold))
 
 
 def _quantize(x: jax.Array, fmt: Format, values: bool = False, rms_norm=None):
@@ -227,15 +252,16 @@ def _mosaic_attention_runs() -> bool:
   return mosaic.available()  # the Mosaic kernels' GPU: Hopper
 
 
-def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
-               backend: str = "auto", fold: bool = False, blocks: int = 1) -> jax.Array | None:
+def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, backend: str = "auto",
+               fold: bool = False, blocks: int = 1,
+               triton_backend: str = "pallas") -> jax.Array | None:
   """One query per sequence against the whole cache by the kernel, or None where no kernel
   takes the cache (its format, or sizes the kernel's power-of-two tiles do not fit).
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
   sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots (`fold`: MXFP4's scales folded, the
   same outputs; `blocks`: 64-slot blocks a pipeline step for FP4 caches whose slots they
-  divide, one otherwise); elsewhere the Triton one runs. "jax_triton" runs bf16 caches on the
-  kernel in Triton's own language and FP4 ones as "triton". "auto" is "mosaic" for the formats of
+  divide, one otherwise); elsewhere the Triton one runs, over bf16 caches by `triton_backend`
+  (`TRITON_BACKENDS`). "auto" is "mosaic" for the formats of
   MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the Mosaic kernel takes from
   registers, else "triton"."""
   if isinstance(k, QArray) and k.fmt.name not in _FP4_CACHES:
@@ -246,12 +272,6 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
     faster = fmt in MOSAIC_ATTENTION_FORMATS or (
         fmt == "nvfp4" and mosaic_attention.v_in_registers(fmt, head_dim))
     backend = "mosaic" if faster else "triton"
-  block_s = _divisor(slots, (64, 32, 16))
-  if backend == "jax_triton" and fmt == "bf16":
-    if block_s is None or not supports_attention(slots, head_dim, block_s):
-      return None
-    return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas",
-                            backend="jax_triton", block_s=block_s)
   if backend == "mosaic" and _mosaic_attention_runs() and mosaic_attention.supports(
       kv, head_dim, q_BxHxDh.shape[1] // kv, fmt, slots):
     span = mosaic_attention.BLOCK_S * blocks
@@ -260,10 +280,12 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array,
     steps = slots // span
     return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", backend="mosaic",
                             splits=_mosaic_splits(b * kv, steps, span), fold=fold, blocks=blocks)
+  block_s = _divisor(slots, (64, 32, 16))
   if block_s is None or not supports_attention(slots, head_dim, block_s):
     return None
+  call = _bf16_call(triton_backend) if fmt == "bf16" else {"interpret": _interpret()}
   return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", block_s=block_s,
-                          interpret=_interpret())
+                          **call)
 
 
 def _w4a4_weight_layout(w, order: str = FP4_ORDER):
@@ -329,14 +351,18 @@ class KernelOps(XlaOps):
   weight (`rollout_path.Fused`) where their packing allows (not NVFP4's per-matrix globals):
   by default (`FUSED`) wq, wk and wv, whose matmul at decode is one kernel launch and one sum
   of its split partials where there were three, and the experts' w_gate and w_up, one grouped
-  launch (one read of the dispatched rows) where there were two. `()` packs each apart."""
+  launch (one read of the dispatched rows) where there were two. `()` packs each apart.
+
+  `triton_backend`: how the bf16 Triton kernels are called (`TRITON_BACKENDS`)."""
 
   name = "pallas"
 
   def __init__(self, attention_kernel: str = "auto", w4a4: bool = False,
                fp4_order: str = FP4_ORDER, fuse: tuple[tuple[str, ...], ...] = FUSED,
-               fold_scales: bool = False, attention_blocks: int = 1):
+               fold_scales: bool = False, attention_blocks: int = 1,
+               triton_backend: str = "pallas"):
     self.attention_kernel = attention_kernel
+    self.triton_backend = triton_backend
     self.w4a4 = w4a4
     self.fold_scales = fold_scales
     self.attention_blocks = attention_blocks
@@ -356,12 +382,12 @@ class KernelOps(XlaOps):
   def linear(self, x, w, xq=None):
     if isinstance(w, w4a4_layout.TiledW4):
       return _w4a4_linear(x, w, xq)
-    return _linear(x, w, self.fold_scales)
+    return _linear(x, w, self.fold_scales, self.triton_backend)
 
   def experts(self, x_RxD, w, rows, xq=None):
     if isinstance(w, w4a4_layout.TiledW4):
       return _w4a4_experts(x_RxD, w, rows, xq)
-    return _experts(x_RxD, w, rows, self.fold_scales)
+    return _experts(x_RxD, w, rows, self.fold_scales, self.triton_backend)
 
   def activation_stats(self, xq) -> dict:
     if not (self.w4a4 and _takes_w4a4(xq)):
@@ -370,7 +396,8 @@ class KernelOps(XlaOps):
 
   def attention(self, q_BxHxDh, k, v, mask_BxS):
     return _attention(q_BxHxDh, k, v, mask_BxS, backend=self.attention_kernel,
-                      fold=self.fold_scales, blocks=self.attention_blocks)
+                      fold=self.fold_scales, blocks=self.attention_blocks,
+                      triton_backend=self.triton_backend)
 
   def quantize(self, x, fmt, values: bool = False, rms_norm=None):
     return _quantize(x, fmt, values, rms_norm)

@@ -11,26 +11,30 @@ from experiments import bench_rollout
 def test_bench_rollout_variant_names():
   parse = bench_rollout.parse_variant
   h = "halves"  # the engine's default nibble order
-  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, h, True, False, 1)
+  p = "pallas"  # and its default Triton backend (the last field)
+  assert parse("mxfp4:pallas") == ("mxfp4", "pallas", "auto", False, False, h, True, False, 1, p)
   assert parse("nvfp4:triton:mosaic") == (
-      "nvfp4", "triton", "mosaic", False, False, h, True, False, 1)
-  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, h, True, False, 1)
+      "nvfp4", "triton", "mosaic", False, False, h, True, False, 1, p)
+  assert parse("bf16:xla+scan") == ("bf16", "xla", "auto", True, False, h, True, False, 1, p)
   assert parse("mxfp4:pallas:mosaic+scan") == (
-      "mxfp4", "pallas", "mosaic", True, False, h, True, False, 1)
-  assert parse("mxfp4:pallas+w4a4") == ("mxfp4", "pallas", "auto", False, True, h, True, False, 1)
+      "mxfp4", "pallas", "mosaic", True, False, h, True, False, 1, p)
+  assert parse("mxfp4:pallas+w4a4") == (
+      "mxfp4", "pallas", "auto", False, True, h, True, False, 1, p)
   assert parse("mxfp4:pallas+w4a4+scan") == parse("mxfp4:pallas+scan+w4a4") == (
-      "mxfp4", "pallas", "auto", True, True, h, True, False, 1)
+      "mxfp4", "pallas", "auto", True, True, h, True, False, 1, p)
   assert parse("nvfp4:pallas+pairs") == (
-      "nvfp4", "pallas", "auto", False, False, "pairs", True, False, 1)
+      "nvfp4", "pallas", "auto", False, False, "pairs", True, False, 1, p)
   assert parse("mxfp4:pallas+pairs+scan") == (
-      "mxfp4", "pallas", "auto", True, False, "pairs", True, False, 1)
+      "mxfp4", "pallas", "auto", True, False, "pairs", True, False, 1, p)
   assert parse("mxfp4:pallas+halves") == parse("mxfp4:pallas")
   assert parse("mxfp4:pallas+apart") == (
-      "mxfp4", "pallas", "auto", False, False, h, False, False, 1)
-  assert parse("bf16:pallas+apart+scan")[3:] == (True, False, h, False, False, 1)
+      "mxfp4", "pallas", "auto", False, False, h, False, False, 1, p)
+  assert parse("bf16:pallas+apart+scan")[3:] == (True, False, h, False, False, 1, p)
   assert parse("mxfp4:pallas+fold").fold and not parse("mxfp4:pallas").fold
-  assert parse("mxfp4:pallas:mosaic+fold+scan")[2:] == ("mosaic", True, False, h, True, True, 1)
-  assert parse("nvfp4:pallas+b2").blocks == 2 and parse("mxfp4:pallas:mosaic+fold+b2")[-2:] == (
+  assert parse("mxfp4:pallas:mosaic+fold+scan")[2:] == ("mosaic", True, False, h, True, True, 1, p)
+  assert parse("bf16:pallas+jt").triton_backend == "jax_triton"
+  assert parse("mxfp4:pallas:triton+jt+scan")[2:4] == ("triton", True)
+  assert parse("nvfp4:pallas+b2").blocks == 2 and parse("mxfp4:pallas:mosaic+fold+b2")[-3:-1] == (
       True, 2)
   for bad in ("mxfp4:xla:mosaic", "mxfp4:pallas:flash", "fp8:pallas", "mxfp4:pallas:mosaic:x",
               "mxfp4", "mxfp4:pallas+scanned", "+scan", "mxfp4:xla+w4a4", "mxfp4:triton+w4a4",
@@ -38,7 +42,7 @@ def test_bench_rollout_variant_names():
               "bf16:pallas+halves", "mxfp4:pallas+w4a4+pairs", "mxfp4:pallas+pairs+halves",
               "mxfp4:xla+apart", "bf16:tokamax+apart", "nvfp4:pallas+fold", "bf16:pallas+fold",
               "mxfp4:triton+fold", "mxfp4:pallas+w4a4+fold", "bf16:pallas+b2",
-              "mxfp4:xla+b2", "mxfp4:triton+b2"):
+              "mxfp4:xla+b2", "mxfp4:triton+b2", "bf16:xla+jt", "bf16:triton+jt"):
     with pytest.raises(ValueError, match=re.escape(f"unknown variant '{bad}'")):
       parse(bad)
 

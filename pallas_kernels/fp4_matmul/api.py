@@ -21,6 +21,8 @@ from pallas_kernels.fp4_matmul.tiling import default_splits, place_rows, sorted_
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
+BF16_BACKENDS = ("triton", "jax_triton")  # the bf16 kernels' (Pallas' Triton lowering, Triton's
+# own language through jax-triton)
 VARIANTS = ("dot", "gemv")
 # up to this many rows the float32 multiply-add kernel would be the default: 0, since on the H200
 # it measured no faster than the dot kernel at M = 1 and 2x slower at M = 4 (BENCHMARKS.md)
@@ -48,6 +50,35 @@ def _wgmma(w, implementation: str, interpret: bool) -> bool:
   XLA path, interpret mode and other GPUs take the packed weight back (`untile`)."""
   return isinstance(w, TiledFP4) and implementation == "pallas" and not interpret and (
       mosaic.available())
+
+
+def _check_bf16_backend(backend: str, interpret: bool, poison: bool) -> None:
+  if backend not in BF16_BACKENDS:
+    raise ValueError(f"backend must be one of {BF16_BACKENDS}, got {backend!r}")
+  if backend == "jax_triton" and (interpret or poison):
+    raise ValueError("the jax_triton backend runs in Triton's interpreter where there is no GPU "
+                     "and starts its outputs as NaN there: no interpret or poison argument")
+
+
+def _jax_triton_bf16(x2, w, tile_expert=None, *, block_m, block_n, block_k, splits, num_warps,
+                     num_stages, interpret, poison):
+  """`kernel.bf16_matmul_partials` (or, given tile_expert, `grouped_bf16_partials`) by the
+  program in Triton's own language (`triton_kernel.bf16_matmul`)."""
+  from pallas_kernels import triton_call
+  del interpret, poison  # refused by _check_bf16_backend
+  m, k = x2.shape
+  n = w.shape[-1]
+  grouped = tile_expert is not None
+  tiles = tile_expert if grouped else jnp.zeros((1,), jnp.int32)
+  kernels = triton_call.load("pallas_kernels.fp4_matmul.triton_kernel")
+  (out,) = triton_call.call(
+      kernels.bf16_matmul, x2, w, tiles.astype(jnp.int32),
+      out_shape=[jax.ShapeDtypeStruct((splits, m, n), jnp.float32)],
+      grid=(n // block_n, m // block_m, splits), num_warps=num_warps, num_stages=num_stages,
+      name="triton_bf16_grouped" if grouped else "triton_bf16_matmul", M=m, K=k, N=n,
+      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=k // splits,
+      GROUPED=grouped)
+  return out
 
 
 @reference_vjp(reference.fp4_matmul)
@@ -214,19 +245,23 @@ def _finish(partials, m, lead, n):
 def bf16_matmul(x: jax.Array, w: jax.Array, /, *, implementation: str = "xla", block_m: int = 16,
                 block_n: int = 128, block_k: int = 64, splits: int | None = None,
                 num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
-                poison: bool = False) -> jax.Array:
-  """x [..., K] @ W [K, N] in bf16 with float32 accumulation, by XLA or the Pallas kernel."""
+                poison: bool = False, backend: str = "triton") -> jax.Array:
+  """x [..., K] @ W [K, N] in bf16 with float32 accumulation, by XLA or the kernel: `backend`
+  "triton" (Pallas' Triton lowering) or "jax_triton" (the same program in Triton's own language,
+  `triton_kernel`; Triton's interpreter where there is no GPU, its outputs started as NaN there:
+  no interpret or poison argument)."""
   _check_impl(implementation)
   k, n = w.shape
   if implementation == "xla":
     return reference.bf16_matmul(x, w)
+  _check_bf16_backend(backend, interpret, poison)
   if n % block_n or k % block_k:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
                      f"({k}) divisible by block_k ({block_k})")
   x2, lead = _rows(x.astype(jnp.bfloat16))
   x2, m = _pad_rows(x2, block_m)
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, k // block_k)
-  partials = kernel.bf16_matmul_partials(
+  partials = (_jax_triton_bf16 if backend == "jax_triton" else kernel.bf16_matmul_partials)(
       x2, w.astype(jnp.bfloat16), block_m=block_m, block_n=block_n, block_k=block_k,
       splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
       poison=poison)
@@ -240,12 +275,12 @@ def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                         implementation: str = "xla", block_m: int = 16, block_n: int = 128,
                         block_k: int = 64, splits: int | None = None, num_warps: int = 4,
                         num_stages: int = 3, interpret: bool = False,
-                        poison: bool = False) -> jax.Array:
+                        poison: bool = False, backend: str = "triton") -> jax.Array:
   """The bf16 twin of `grouped_fp4_matmul`: x [T, K], rows sorted by expert, @ W[e] [K, N] for
   per-expert bf16 weights w [E, K, N] -> [T, N] bf16, float32 accumulation; rows past
   sum(group_sizes) come out zero; rows_in / rows_out / slots as there. "xla" is
   `jax.lax.ragged_dot`; "pallas" pads the groups to block_m-row tiles as the FP4 form does and
-  runs the bf16 kernel."""
+  runs the bf16 kernel of `backend`, as `bf16_matmul`'s."""
   _check_impl(implementation)
   if getattr(w, "ndim", None) != 3:
     raise ValueError(f"grouped_bf16_matmul expects per-expert weights [E, K, N], got "
@@ -257,9 +292,10 @@ def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   if n % block_n or k % block_k:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
                      f"({k}) divisible by block_k ({block_k})")
+  _check_bf16_backend(backend, interpret, poison)
   x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m, rows_in, rows_out, slots)
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, k // block_k)
-  partials = kernel.grouped_bf16_partials(
+  partials = (_jax_triton_bf16 if backend == "jax_triton" else kernel.grouped_bf16_partials)(
       x2, w.astype(jnp.bfloat16), tile_expert, block_m=block_m, block_n=block_n,
       block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
       interpret=interpret, poison=poison)

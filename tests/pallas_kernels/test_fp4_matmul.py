@@ -363,6 +363,44 @@ def test_bf16_kernel_in_interpret_mode():
   assert rel(got, bf16_matmul(x, w)) < 2e-3
 
 
+@pytest.mark.parametrize("block_k,splits", [(64, 2), (32, 1)])
+def test_bf16_kernels_in_triton_language_compute_what_the_pallas_ones_do(block_k, splits):
+  """backend="jax_triton": the same programs in Triton's own language, run by Triton's
+  interpreter here (outputs started as NaN: an element not written shows), dense and grouped
+  (the rows past the groups zero), the dispatch's rows composed too: the Pallas kernels'
+  numbers in interpret mode, bit for bit (the same exact products, each tile's float32 sums
+  in the same order here)."""
+  kw = dict(implementation="pallas", block_k=block_k, splits=splits)
+  x = jax.random.normal(jax.random.PRNGKey(1), (7, 256), jnp.bfloat16)
+  w = jax.random.normal(jax.random.PRNGKey(2), (256, 128), jnp.bfloat16)
+  got = bf16_matmul(x.reshape(7, 1, 256), w, backend="jax_triton", **kw)
+  np.testing.assert_array_equal(np.asarray(got, np.float32).reshape(7, 128), np.asarray(
+      bf16_matmul(x, w, interpret=True, poison=True, **kw), np.float32))
+  sizes = jnp.asarray([5, 0, 17, 3])
+  x = jax.random.normal(jax.random.PRNGKey(3), (27, 256), jnp.bfloat16)  # 2 rows past the groups
+  w = jax.random.normal(jax.random.PRNGKey(4), (4, 256, 128), jnp.bfloat16)
+  got = np.asarray(grouped_bf16_matmul(x, w, sizes, backend="jax_triton", **kw), np.float32)
+  np.testing.assert_array_equal(got, np.asarray(grouped_bf16_matmul(
+      x, w, sizes, interpret=True, poison=True, **kw), np.float32))
+  assert not got[25:].any() and rel(got, grouped_bf16_matmul(x, w, sizes)) < 2e-3
+  rows = routed_rows(1, 6, 2, 4, False)
+  x = jax.random.normal(jax.random.PRNGKey(5), (12, 256), jnp.bfloat16)
+  args = (rows.group_sizes, rows.src, rows.back, rows.slots)
+  np.testing.assert_array_equal(
+      np.asarray(grouped_bf16_matmul(x, w, *args, backend="jax_triton", **kw), np.float32),
+      np.asarray(grouped_bf16_matmul(x, w, *args, interpret=True, **kw), np.float32))
+
+
+def test_the_bf16_kernels_backend_names_what_is_wrong():
+  x = jnp.ones((4, 64), jnp.bfloat16)
+  w = jnp.ones((64, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="backend must be one of"):
+    bf16_matmul(x, w, implementation="pallas", backend="mosaic")
+  with pytest.raises(ValueError, match="no interpret or poison"):
+    grouped_bf16_matmul(x, w[None], jnp.asarray([4]), implementation="pallas",
+                        backend="jax_triton", poison=True)
+
+
 def test_leading_dims_and_errors():
   x, w = inputs(0, 6, 256, 128, MXFP4)
   y = fp4_matmul(x.reshape(2, 3, 256), w)
@@ -435,3 +473,21 @@ def test_grouped_bf16_kernel_on_gpu(sizes):
       assert not np.isnan(np.asarray(got, np.float32)).any()
       assert rel(got, grouped_bf16_matmul(x, w, group_sizes)) < 2e-3
       assert not np.asarray(got, np.float32)[sum(sizes):].any()
+      # the same program in Triton's own language (jax-triton): the rows past the groups are
+      # written zero there too, and the numbers within the order of float32 sums
+      jt = grouped_bf16_matmul(x, w, group_sizes, implementation="pallas", block_k=block_k,
+                               backend="jax_triton")
+      assert not np.asarray(jt, np.float32)[sum(sizes):].any()
+      assert rel(jt, got) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_bf16_kernel_in_triton_language_on_gpu(m):
+  kx, kw = jax.random.split(jax.random.PRNGKey(m))
+  x = jax.random.normal(kx, (m, 4096), jnp.bfloat16)
+  w = jax.random.normal(kw, (4096, 2048), jnp.bfloat16)
+  got = bf16_matmul(x, w, implementation="pallas", backend="jax_triton")
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  assert rel(got, bf16_matmul(x, w)) < 2e-3
+  assert rel(got, bf16_matmul(x, w, implementation="pallas")) < 2e-3

@@ -348,23 +348,31 @@ def test_pallas_attention_over_a_cache_it_has_not_filled():
   np.testing.assert_allclose(got, want, atol=0.03)
 
 
-def test_jax_triton_attention_in_the_engine():
-  """attention_kernel="jax_triton": a bf16 rollout's decode attention on the Triton program in
-  Triton's own language (Triton's interpreter here), over a cache it has not filled (48 slots,
-  three 16-slot blocks), against the Pallas Triton kernel's rollout (interpret mode): the same
-  program, so the same tokens and, the interpreter summing in numpy's order where Pallas'
-  sums in XLA's, log-probabilities within rounding (7.3e-4 apart at most here)."""
+def test_bf16_kernels_in_triton_language_in_the_engine(monkeypatch):
+  """triton_backend="jax_triton": a bf16 rollout's kernels (its projections, experts and decode
+  attention) on the Triton programs in Triton's own language (Triton's interpreter here), over
+  a cache it has not filled (48 slots, three 16-slot blocks), against the Pallas kernels'
+  rollout (interpret mode): the same programs, so the same tokens and, the interpreter summing
+  in numpy's order where Pallas' sums in XLA's, log-probabilities within rounding (7.3e-4 apart
+  at most here)."""
   from pallas_kernels import dispatch as K
+  from pallas_kernels import triton_call
+  called = set()
+  call = triton_call.call
+  monkeypatch.setattr(triton_call, "call", lambda kernel, *a, **kw: (
+      called.add((kernel.__name__, kw.get("GROUPED"))), call(kernel, *a, **kw))[1])
   cfg, params = policy()
   recipe = QuantRecipe.uniform("bf16")
   tokens, lengths = pad_prompts(PROMPTS)
   sampling = SamplingConfig(max_new_tokens=30, temperature=0.0)
   weights = pack_weights(cfg, params, recipe, ops=K.make_ops("pallas"))
   out = {a: RolloutEngine(cfg, recipe, sampling, attn_chunk=16, kernels="pallas",
-                          attention_kernel=a).generate(weights, tokens, lengths,
-                                                       jax.random.PRNGKey(7))
-         for a in ("triton", "jax_triton")}
-  got, want = out["jax_triton"], out["triton"]
+                          triton_backend=a).generate(weights, tokens, lengths,
+                                                     jax.random.PRNGKey(7))
+         for a in ("pallas", "jax_triton")}
+  got, want = out["jax_triton"], out["pallas"]
+  # the projections, the experts and the attention all ran in Triton's language
+  assert called == {("bf16_matmul", False), ("bf16_matmul", True), ("bf16_attention", None)}
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=5e-3)
 

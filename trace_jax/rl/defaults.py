@@ -93,9 +93,12 @@ def base_config() -> ml_collections.ConfigDict:
   # it is installed: a baseline for the benchmarks)
   c.engine.kernels = "xla"
   # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
-  # Triton one otherwise, as measured) | triton | mosaic | jax_triton (bf16 caches on the same
-  # Triton program in Triton's own language, through jax-triton; FP4 caches as triton)
+  # Triton one otherwise, as measured) | triton | mosaic
   c.engine.attention_kernel = "auto"
+  # how the bf16 Triton kernels (matmuls and the attention over bf16 caches) are called: pallas
+  # (Pallas' Triton lowering, deprecated from jax 0.11) | jax_triton (the same programs in
+  # Triton's own language, through jax-triton; Triton's interpreter off a GPU)
+  c.engine.triton_backend = "pallas"
   # the decode step as one lax.scan per run of layers alike (compiled once whatever the depth;
   # the rollout weights then stacked as the master params are) or layer by layer (false, as
   # measured so far); the prefill always scans. The same tokens and records either way

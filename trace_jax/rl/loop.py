@@ -86,7 +86,8 @@ class Run:
                                kernels=self.c.engine.kernels,
                                attention_kernel=self.c.engine.attention_kernel,
                                scan_decode=self.c.engine.scan_decode, w4a4=self.c.engine.w4a4,
-                               fold_scales=self.c.engine.fold_scales)
+                               fold_scales=self.c.engine.fold_scales,
+                               triton_backend=self.c.engine.triton_backend)
     self.engine = engine(sampling, records=self.setup.records)
     self.diag_engine = engine(sampling, records=self.setup.records, collect_codes=True)
     self.eval_engine = engine(dataclasses.replace(sampling, temperature=0.0))

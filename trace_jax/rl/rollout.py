@@ -138,15 +138,18 @@ class RolloutEngine:
   `fold_scales` (with "pallas"): the Mosaic kernels decode MXFP4 with one multiply a pair of
   values (`pallas_kernels.dispatch.KernelOps`); the same outputs. `attention_blocks` (with
   "pallas"): the Mosaic attention's 64-slot blocks a pipeline step over FP4 caches.
+  `triton_backend` (with "pallas"): how the bf16 Triton kernels are called, "pallas" or
+  "jax_triton" (the same programs in Triton's own language; `pallas_kernels.dispatch`).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
                records: str | Sequence[int] = "none", collect_codes: bool = False,
                attn_chunk: int = 64, kernels: str = "xla", attention_kernel: str = "auto",
                scan_decode: bool = False, w4a4: bool = False, fold_scales: bool = False,
-               attention_blocks: int = 1):
+               attention_blocks: int = 1, triton_backend: str = "pallas"):
     self.ops = make_ops(kernels, attention_kernel, cfg.act_dtype, w4a4=w4a4,
-                        fold_scales=fold_scales, attention_blocks=attention_blocks)
+                        fold_scales=fold_scales, attention_blocks=attention_blocks,
+                        triton_backend=triton_backend)
     self.cfg, self.recipe, self.sampling = cfg, recipe, sampling
     self.record_layers = parse_layers(records, cfg.n_layers, what="records")
     self.collect_codes = collect_codes

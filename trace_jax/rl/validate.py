@@ -7,7 +7,7 @@ import os
 import jax
 import ml_collections
 
-from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS
+from pallas_kernels.dispatch import ATTENTION_KERNELS, KERNELS, TRITON_BACKENDS
 from trace_jax import distributed
 from trace_jax.models.recipe import QuantRecipe, parse_layers, precisions
 from trace_jax.rl import hf_policy
@@ -90,6 +90,11 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None) -> None
   if c.engine.fold_scales and c.engine.kernels != "pallas":
     raise ValueError(f"engine.fold_scales folds the Pallas kernels' MXFP4 decode: it needs "
                      f"engine.kernels=pallas (got {c.engine.kernels!r})")
+  _choice("engine.triton_backend", c.engine.triton_backend, TRITON_BACKENDS)
+  if c.engine.triton_backend != "pallas" and c.engine.kernels != "pallas":
+    raise ValueError(f"engine.triton_backend={c.engine.triton_backend!r} calls the Pallas "
+                     f"kernels' Triton programs: it needs engine.kernels=pallas (got "
+                     f"{c.engine.kernels!r})")
   _choice("rl.remat", c.rl.remat, REMAT)
   _choice("rl.attention", c.rl.attention, ATTENTIONS)
   _choice("sft.attention", c.sft.attention, ATTENTIONS)
