@@ -45,11 +45,13 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   where mask [B, S] is true -> [B, H, Dh] bf16 (query head h reads kv head h // (H / Kv)).
 
   `backend` picks the kernel: "triton" (`kernel.py`; block_s, num_warps, num_stages, decode,
-  interpret and poison are its) or "mosaic" (`mosaic.py`, the wgmma kernel, compiled Hopper
-  only; 64-slot blocks, `blocks` of them a pipeline step for FP4 caches (one max across the
-  warpgroup and one barrier for all of them), max_concurrent_steps copies in flight; `fold`:
-  MXFP4 decoded with the scales folded, one multiply a pair of values, `mosaic.FOLD_REF`; `lean`:
-  FP4 caches decoded with fewer registers live for less overlap, `mosaic._body`). `decode`
+  interpret and poison are its), "jax_triton" (`triton_kernel.py`, the same program over bf16
+  caches in Triton's own language; block_s, num_warps and num_stages) or "mosaic" (`mosaic.py`,
+  the wgmma kernel, compiled Hopper only; 64-slot blocks, `blocks` of them a pipeline step for
+  FP4 caches (one max across the warpgroup and one barrier for all of them),
+  max_concurrent_steps copies in flight; `fold`: MXFP4 decoded with the scales folded, one
+  multiply a pair of values, `mosaic.FOLD_REF`; `lean`: FP4 caches decoded with fewer
+  registers live for less overlap, `mosaic._body`). `decode`
   ("asm" | "bits") picks how the Triton kernel unpacks FP4, as in `fp4_matmul`; `splits` how
   many programs share one sequence (default: enough to fill the device)."""
   if implementation not in IMPLEMENTATIONS:
@@ -67,8 +69,6 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
       raise ValueError("the jax_triton backend takes bf16 caches, runs in Triton's interpreter "
                        "where there is no GPU and starts its outputs as NaN there: no interpret "
                        "or poison argument")
-    return _jax_triton(q_BxHxDh, k, v, mask_BxS, block_s=block_s, splits=splits,
-                       num_warps=num_warps, num_stages=num_stages)
   if backend == "mosaic":
     if interpret or poison:
       raise ValueError("the mosaic backend has no interpret mode and no poisoned outputs: use "
@@ -82,7 +82,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   if not supports(s, dh, block_s):
     raise ValueError(f"the pallas kernel needs the cache's {s} slots divisible by block_s "
                      f"({block_s}, a power of two >= 16) and head_dim ({dh}) a power of two "
-                     ">= 32 (the Triton lowering's tiles are powers of two)")
+                     ">= 32 (Triton's tiles are powers of two)")
   (fmt, k_arrays), (_, v_arrays) = cache_arrays(k), cache_arrays(v)
   g = h // kv
   rows = max(_pow2(g), MIN_ROWS)
@@ -94,42 +94,31 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   if (s // block_s) % splits:
     raise ValueError(f"splits ({splits}) must divide the {s // block_s} blocks of {block_s} "
                      "slots")
-  o, m, l = kernel.decode_attention_partials(
-      q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), k_arrays, v_arrays, fmt=fmt,
-      block_s=block_s, splits=splits, num_warps=num_warps, num_stages=num_stages,
-      decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
+  if backend == "jax_triton":
+    o, m, l = _jax_triton_partials(q, mask_BxS, k_arrays[0], v_arrays[0], block_s=block_s,
+                                   splits=splits, num_warps=num_warps, num_stages=num_stages)
+  else:
+    o, m, l = kernel.decode_attention_partials(
+        q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), k_arrays, v_arrays, fmt=fmt,
+        block_s=block_s, splits=splits, num_warps=num_warps, num_stages=num_stages,
+        decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
   out = kernel.combine(o, m, l)[:, :, :g]  # NaN here means an unwritten (poisoned) element
   if fmt != "bf16":
     out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)
   return out.reshape(b, h, dh).astype(jnp.bfloat16)
 
 
-def _jax_triton(q_BxHxDh, k, v, mask_BxS, *, block_s, splits, num_warps, num_stages):
-  """The bf16-cache kernel in Triton's language (`triton_kernel.bf16_attention`), around the same
-  padding, splits and combine as the Pallas kernel's."""
+def _jax_triton_partials(q, mask_BxS, k, v, *, block_s, splits, num_warps, num_stages):
+  """`kernel.decode_attention_partials` for bf16 caches by the program in Triton's own language
+  (`triton_kernel.bf16_attention`)."""
   from pallas_kernels import triton_call
-  b, h, dh = q_BxHxDh.shape
-  s, kv = k.shape[1], k.shape[2]
-  if not supports(s, dh, block_s):
-    raise ValueError(f"the jax_triton kernel needs the cache's {s} slots divisible by block_s "
-                     f"({block_s}, a power of two >= 16) and head_dim ({dh}) a power of two "
-                     ">= 32 (Triton's tiles are powers of two)")
-  g = h // kv
-  rows = max(_pow2(g), MIN_ROWS)
-  q = q_BxHxDh.astype(jnp.bfloat16).reshape(b, kv, g, dh)
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-  splits = splits or default_splits(b * kv, s // block_s)
-  if (s // block_s) % splits:
-    raise ValueError(f"splits ({splits}) must divide the {s // block_s} blocks of {block_s} "
-                     "slots")
+  b, kv, rows, dh = q.shape
+  s = k.shape[1]
   kernels = triton_call.load("pallas_kernels.decode_attention.triton_kernel")
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  o, m, l = triton_call.call(
-      kernels.bf16_attention, q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS),
-      k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+  return triton_call.call(
+      kernels.bf16_attention, q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), k, v,
       out_shape=[f32(splits, b, kv, rows, dh), f32(splits, b, kv, rows), f32(splits, b, kv, rows)],
       grid=(b, kv, splits), num_warps=num_warps, num_stages=num_stages,
       name="triton_decode_attention", B=b, S=s, KV=kv, ROWS=rows, DH=dh, BLOCK_S=block_s,
       SLOTS_PER_SPLIT=s // splits, SCALE=dh**-0.5)
-  out = kernel.combine(o, m, l)[:, :, :g]
-  return out.reshape(b, h, dh).astype(jnp.bfloat16)
