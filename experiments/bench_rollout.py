@@ -22,8 +22,8 @@ each on its own, where the weight sync packs q, k and v as one, and gate and up 
 (`make_ops(fuse=False)`); `+fold` on an MXFP4 pallas variant the Mosaic kernels' decode with
 the scales folded, `engine.fold_scales`; `+b2` on an FP4 pallas variant the Mosaic attention's
 two 64-slot blocks a pipeline step, `RolloutEngine(attention_blocks=2)`; `+jt` on a pallas
-variant the bf16 Triton kernels, matmuls and attention over bf16 caches, as the same programs
-in Triton's own language through jax-triton, `engine.triton_backend=jax_triton`) and
+variant the Triton kernels written in Triton's own language too (the bf16 matmuls, the Triton
+attention) called through jax-triton, `engine.triton_backend=jax_triton`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever
@@ -91,7 +91,7 @@ class Variant(NamedTuple):
   fuse: bool  # the weight sync packs the projections of one input as one weight
   fold: bool = False  # the Mosaic kernels decode MXFP4 with the scales folded
   blocks: int = 1  # the Mosaic attention's 64-slot blocks a pipeline step
-  triton_backend: str = "pallas"  # how the bf16 Triton kernels are called
+  triton_backend: str = "pallas"  # how the Triton kernels in Triton's language are called
 
 
 def parse_variant(v: str) -> Variant:
@@ -113,8 +113,8 @@ def parse_variant(v: str) -> Variant:
     raise ValueError(f"unknown variant {v!r}; choose from {VARIANTS}, a kernels variant "
                      f"optionally with :{' or :'.join(ATTENTION_KERNELS)} (the attention's "
                      "backend), any of them with +scan (the decode step scanned over layers), "
-                     "a pallas one with +w4a4 (the W4A4 matmuls), +jt (the bf16 Triton "
-                     "kernels in Triton's own language), +apart (each projection "
+                     "a pallas one with +w4a4 (the W4A4 matmuls), +jt (the Triton kernels "
+                     "in Triton's own language), +apart (each projection "
                      "packed apart), mxfp4:pallas without +w4a4 with +fold (the scales folded), "
                      "an FP4 pallas one with +b2 (two blocks a step of the Mosaic attention), "
                      "or, FP4 without +w4a4, "

@@ -31,9 +31,10 @@ rollout on it decodes 1.08x / 1.04x / 1.11x the tokens per second of the rollout
 one at batch 16 / 64 / 256 (2026-12-04, "NVFP4 attention in the rollout"): "auto" runs it for
 NVFP4 caches of those head dims and Triton for the others. That is `attention_kernel` "auto";
 "triton" or "mosaic" ask for one backend. `triton_backend` "jax_triton" runs the bf16 Triton
-kernels (matmuls, dense and grouped, and the attention over bf16 caches) as the same programs
+matmuls (dense and grouped) and the Triton attention (every cache format) as the same programs
 written in Triton's own language, through jax-triton (`pallas_kernels.triton_call`), Pallas'
-Triton lowering being deprecated from jax 0.11; "pallas" (the default) on that lowering.
+Triton lowering being deprecated from jax 0.11; "pallas" (the default) on that lowering. The
+FP4 matmuls' Triton kernels (off Hopper) and the quantize-and-record kernel stay on it.
 On a backend other than GPU the Triton kernels run in Pallas' interpret mode (tiled weights
 taken back first): slow, for tests.
 """
@@ -65,8 +66,8 @@ FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, 
 # the projections of one input the kernels' weight sync packs as one weight (`KernelOps.fuse`)
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
 ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
-# how the bf16 Triton kernels (the matmuls, dense and grouped, and the attention over bf16 caches)
-# are called: Pallas' Triton lowering, or the same programs in Triton's own language through
+# how the Triton kernels that exist in Triton's own language (the bf16 matmuls, dense and grouped,
+# and the attention over any cache) are called: Pallas' Triton lowering, or those programs through
 # jax-triton (`pallas_kernels.triton_call`; Pallas' Triton lowering is deprecated from jax 0.11)
 TRITON_BACKENDS = ("pallas", "jax_triton")
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
@@ -182,9 +183,9 @@ def _folds(w, fold: bool) -> dict:
   return {"fold": True} if fold and isinstance(w, TiledFP4) else {}
 
 
-def _bf16_call(triton_backend: str) -> dict:
-  """How a bf16 Triton kernel is called: Pallas' lowering (interpret mode off a GPU) or, with
-  "jax_triton", Triton's own language (its interpreter off a GPU)."""
+def _triton_call(triton_backend: str) -> dict:
+  """How a Triton kernel that exists in Triton's own language is called: Pallas' lowering
+  (interpret mode off a GPU) or, with "jax_triton", that language (its interpreter off a GPU)."""
   if triton_backend == "jax_triton":
     return {"backend": "jax_triton"}
   return {"interpret": _interpret()}
@@ -200,7 +201,7 @@ def _linear(x: jax.Array, w, fold: bool = False,
   if tiles is None or isinstance(w, jax.Array) and x.size // x.shape[-1] >= BF16_XLA_FROM:
     return None
   if isinstance(w, jax.Array):
-    return bf16_matmul(x, w, implementation="pallas", **tiles, **_bf16_call(triton_backend))
+    return bf16_matmul(x, w, implementation="pallas", **tiles, **_triton_call(triton_backend))
   return fp4_matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles,
                     **_folds(w, fold))
 
@@ -216,7 +217,7 @@ def _experts(x_RxD: jax.Array, w, rows, fold: bool = False,
   args = (x_RxD, w, rows.group_sizes, rows.src, rows.back, rows.slots)
   if isinstance(w, jax.Array):
     return grouped_bf16_matmul(*args, implementation="pallas", **tiles,
-                               **_bf16_call(triton_backend))
+                               **_triton_call(triton_backend))
   return grouped_fp4_matmul(*args, implementation="pallas", interpret=_interpret(), **tiles,
                             **_folds(w, fold))
 
@@ -260,7 +261,7 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, backend: str = "a
   `backend` "mosaic" runs the Mosaic GPU kernel where it compiles (Hopper) and takes the
   sizes, in splits of at most MOSAIC_SPLIT_SLOTS slots (`fold`: MXFP4's scales folded, the
   same outputs; `blocks`: 64-slot blocks a pipeline step for FP4 caches whose slots they
-  divide, one otherwise); elsewhere the Triton one runs, over bf16 caches by `triton_backend`
+  divide, one otherwise); elsewhere the Triton one runs, called as `triton_backend` says
   (`TRITON_BACKENDS`). "auto" is "mosaic" for the formats of
   MOSAIC_ATTENTION_FORMATS and for NVFP4 caches whose V the Mosaic kernel takes from
   registers, else "triton"."""
@@ -283,9 +284,8 @@ def _attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, backend: str = "a
   block_s = _divisor(slots, (64, 32, 16))
   if block_s is None or not supports_attention(slots, head_dim, block_s):
     return None
-  call = _bf16_call(triton_backend) if fmt == "bf16" else {"interpret": _interpret()}
   return decode_attention(q_BxHxDh, k, v, mask_BxS, implementation="pallas", block_s=block_s,
-                          **call)
+                          **_triton_call(triton_backend))
 
 
 def _w4a4_weight_layout(w, order: str = FP4_ORDER):

@@ -45,8 +45,8 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   where mask [B, S] is true -> [B, H, Dh] bf16 (query head h reads kv head h // (H / Kv)).
 
   `backend` picks the kernel: "triton" (`kernel.py`; block_s, num_warps, num_stages, decode,
-  interpret and poison are its), "jax_triton" (`triton_kernel.py`, the same program over bf16
-  caches in Triton's own language; block_s, num_warps and num_stages) or "mosaic" (`mosaic.py`,
+  interpret and poison are its), "jax_triton" (`triton_kernel.py`, the same program in Triton's
+  own language; block_s, num_warps, num_stages and decode) or "mosaic" (`mosaic.py`,
   the wgmma kernel, compiled Hopper only; 64-slot blocks, `blocks` of them a pipeline step for
   FP4 caches (one max across the warpgroup and one barrier for all of them),
   max_concurrent_steps copies in flight; `fold`: MXFP4 decoded with the scales folded, one
@@ -64,11 +64,9 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   if cache_format(k) != cache_format(v):
     raise ValueError(f"K ({cache_format(k)}) and V ({cache_format(v)}) caches must share a "
                      "format")
-  if backend == "jax_triton":
-    if interpret or poison or cache_format(k) != "bf16":
-      raise ValueError("the jax_triton backend takes bf16 caches, runs in Triton's interpreter "
-                       "where there is no GPU and starts its outputs as NaN there: no interpret "
-                       "or poison argument")
+  if backend == "jax_triton" and (interpret or poison):
+    raise ValueError("the jax_triton backend runs in Triton's interpreter where there is no GPU "
+                     "and starts its outputs as NaN there: no interpret or poison argument")
   if backend == "mosaic":
     if interpret or poison:
       raise ValueError("the mosaic backend has no interpret mode and no poisoned outputs: use "
@@ -95,8 +93,9 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
     raise ValueError(f"splits ({splits}) must divide the {s // block_s} blocks of {block_s} "
                      "slots")
   if backend == "jax_triton":
-    o, m, l = _jax_triton_partials(q, mask_BxS, k_arrays[0], v_arrays[0], block_s=block_s,
-                                   splits=splits, num_warps=num_warps, num_stages=num_stages)
+    o, m, l = _jax_triton_partials(q, mask_BxS, k_arrays, v_arrays, fmt=fmt, decode=decode,
+                                   block_s=block_s, splits=splits, num_warps=num_warps,
+                                   num_stages=num_stages)
   else:
     o, m, l = kernel.decode_attention_partials(
         q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), k_arrays, v_arrays, fmt=fmt,
@@ -108,17 +107,29 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
   return out.reshape(b, h, dh).astype(jnp.bfloat16)
 
 
-def _jax_triton_partials(q, mask_BxS, k, v, *, block_s, splits, num_warps, num_stages):
-  """`kernel.decode_attention_partials` for bf16 caches by the program in Triton's own language
-  (`triton_kernel.bf16_attention`)."""
+def _jax_triton_partials(q, mask_BxS, k_arrays, v_arrays, *, fmt, decode, block_s, splits,
+                         num_warps, num_stages):
+  """`kernel.decode_attention_partials` by the programs in Triton's own language
+  (`triton_kernel.bf16_attention`, `fp4_attention`; `decode` as there, by default "asm" on a
+  GPU and "bits" in the interpreter)."""
   from pallas_kernels import triton_call
   b, kv, rows, dh = q.shape
-  s = k.shape[1]
+  s = mask_BxS.shape[1]
   kernels = triton_call.load("pallas_kernels.decode_attention.triton_kernel")
+  meta = dict(B=b, S=s, KV=kv, ROWS=rows, DH=dh, BLOCK_S=block_s, SLOTS_PER_SPLIT=s // splits,
+              SCALE=dh**-0.5)
+  if fmt == "bf16":
+    fn, caches = kernels.bf16_attention, (*k_arrays, *v_arrays)
+  else:
+    decode = decode or ("bits" if triton_call.interpreted() else "asm")
+    kernel.check_decode(decode, triton_call.interpreted())
+    # codes, scales and NVFP4's globals of each cache (MXFP4's scales again: a global unread)
+    per = lambda arrays: (*arrays[:2], arrays[2] if fmt == "nvfp4" else arrays[1])
+    fn, caches = kernels.fp4_attention, (*per(k_arrays), *per(v_arrays))
+    meta.update(NVFP4=fmt == "nvfp4", ASM=decode == "asm")
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   return triton_call.call(
-      kernels.bf16_attention, q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), k, v,
+      fn, q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), *caches,
       out_shape=[f32(splits, b, kv, rows, dh), f32(splits, b, kv, rows), f32(splits, b, kv, rows)],
       grid=(b, kv, splits), num_warps=num_warps, num_stages=num_stages,
-      name="triton_decode_attention", B=b, S=s, KV=kv, ROWS=rows, DH=dh, BLOCK_S=block_s,
-      SLOTS_PER_SPLIT=s // splits, SCALE=dh**-0.5)
+      name="triton_decode_attention", **meta)

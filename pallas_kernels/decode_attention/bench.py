@@ -10,8 +10,8 @@ every slot valid. Per (batch, context): XLA's bf16 attention (the reference), th
 bf16 kernel, PyTorch's `scaled_dot_product_attention` (enable_gqa, its [B, Kv, S, Dh] layout,
 no mask) when torch sees a GPU, XLA on the dequantized MXFP4 cache, and the Pallas kernel on
 MXFP4 and NVFP4 caches over a few tile configurations of its backends (Triton; Mosaic, the
-wgmma kernel, when the device is a Hopper GPU; on bf16 caches also the Triton program in
-Triton's own language, through jax-triton), each also at the sequence splits `--splits`
+wgmma kernel, when the device is a Hopper GPU; the Triton program also in Triton's own
+language, through jax-triton), each also at the sequence splits `--splits`
 asks for (by default `cache.default_splits`'). Each variant is checked against its
 reference first (rel err). Times are the kernels' device time (`pallas_kernels.timing.time_calls`)
 over cache copies larger than the L2 cache; bytes count the caches (codes, scales, globals),
@@ -38,7 +38,7 @@ BATCHES = (16, 64)
 CONTEXTS = (2048, 8192, 32768)
 FORMATS = ("bf16", "mxfp4", "nvfp4")  # the caches: bf16 (the project's kernels and PyTorch's)
 # Triton's tiles, for the Pallas kernel and for the same program in Triton's own language
-# ("jax_triton", bf16 caches only)
+# ("jax_triton")
 CONFIGS = [dict(backend=backend, block_s=bs, num_warps=w, num_stages=st)
            for backend in ("triton", "jax_triton")
            for bs, w, st in [(64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3)]] + [
@@ -55,7 +55,7 @@ def label(cfg: dict) -> str:
   MXFP4 scales folded, `mosaic.FOLD_REF`), mosaic c2 b2 (two 64-slot blocks a step), mosaic c2
   lean (fewer registers live, `mosaic._body`); " x8":
   8 splits of the sequence (`--splits`) instead of `cache.default_splits`'; jax_triton s64w4st2:
-  the bf16-cache kernel in Triton's own language."""
+  the Triton kernel's program in Triton's own language."""
   splits = f" x{cfg['splits']}" if cfg.get("splits") else ""
   if cfg.get("backend") == "mosaic":
     return (f"mosaic c{cfg['max_concurrent_steps']}" + (" fold" if cfg.get("fold") else "")
@@ -144,8 +144,7 @@ def _shape(result, b, s, key, configs, formats):
     ref = jax.jit(xla)((q, mask), caches[0])
     if fmt == "mxfp4":
       record(f"xla {fmt} dequant", time_calls(xla, (q, mask), caches), kv_bytes, 0.0)
-    for cfg in [c for c in configs if (fmt == "mxfp4" or not c.get("fold"))
-                and c["backend"] != "jax_triton"]:
+    for cfg in [c for c in configs if fmt == "mxfp4" or not c.get("fold")]:
       p = lambda x, kv, cfg=cfg: api.decode_attention(x[0], kv[0], kv[1], x[1],
                                                       implementation="pallas", **cfg)
       attempt(lambda p=p, cfg=cfg, caches=caches, kv_bytes=kv_bytes, ref=ref, fmt=fmt: record(

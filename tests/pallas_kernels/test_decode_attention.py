@@ -74,16 +74,19 @@ def test_kernel_in_interpret_mode(fmt, b, s, kv, g, dh, block_s, splits):
   assert rel(got, want) < 4e-3
 
 
-# The bf16-cache kernel in Triton's own language (backend "jax_triton"): Triton's interpreter on
-# CPU (its outputs start as NaN there, so an element it fails to write shows), compiled through
-# jax-triton on a GPU (-m gpu).
+# The kernels in Triton's own language (backend "jax_triton"): Triton's interpreter on CPU (its
+# outputs start as NaN there, so an element it fails to write shows), compiled through jax-triton
+# on a GPU (-m gpu).
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
 @pytest.mark.parametrize("b,s,kv,g,dh,block_s,splits", [
     (2, 128, 2, 4, 64, 32, 2),      # G < 16: padded query rows
     (3, 64, 2, 2, 128, 32, None),   # head_dim 128, the default split count
     (1, 64, 1, 20, 32, 32, None)])  # G = 20: padded to 32 rows
-def test_jax_triton_kernel_in_the_interpreter(b, s, kv, g, dh, block_s, splits):
-  q, k, v, mask = inputs(b * s + g, b, s, kv, g, dh, None, lengths=[s - 5 * i for i in range(b)])
+def test_jax_triton_kernel_in_the_interpreter(fmt, b, s, kv, g, dh, block_s, splits):
+  """The Pallas kernel's program: its interpret-mode outputs bit for bit (the same decoded
+  values, products and roundings; the float32 sums in the same order here)."""
+  q, k, v, mask = inputs(b * s + g, b, s, kv, g, dh, fmt, lengths=[s - 5 * i for i in range(b)])
   got = decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton",
                          block_s=block_s, splits=splits)
   want = decode_attention(q, k, v, mask)
@@ -92,13 +95,14 @@ def test_jax_triton_kernel_in_the_interpreter(b, s, kv, g, dh, block_s, splits):
   assert got.shape == want.shape and got.dtype == jnp.bfloat16
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 4e-3
-  assert rel(got, pallas) < 4e-3  # the Pallas kernel's program: the same roundings, other sums
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(pallas, np.float32))
 
 
-def test_jax_triton_kernel_reads_no_block_past_the_sequence_end_and_skips_empty_rows():
-  q, k, v, mask = inputs(15, 3, 128, 2, 4, 64, None, lengths=[128, 40, 0])
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_jax_triton_kernel_reads_no_block_past_the_sequence_end_and_skips_empty_rows(fmt):
+  q, k, v, mask = inputs(15, 3, 128, 2, 4, 64, fmt, lengths=[128, 40, 0])
   want = decode_attention(q, k, v, mask)
-  kp, vp = (poisoned_past(poisoned_past(c, 1, 64, None), 2, 0, None) for c in (k, v))
+  kp, vp = (poisoned_past(poisoned_past(c, 1, 64, fmt), 2, 0, fmt) for c in (k, v))
   got = decode_attention(q, kp, vp, mask, implementation="pallas", backend="jax_triton",
                          block_s=32, splits=2)
   assert np.isfinite(np.asarray(got, np.float32)).all()
@@ -106,11 +110,18 @@ def test_jax_triton_kernel_reads_no_block_past_the_sequence_end_and_skips_empty_
   assert rel(got, want) < 4e-3
 
 
-def test_jax_triton_backend_names_what_it_does_not_take():
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's, of NaN
+def test_jax_triton_kernel_gives_nan_for_a_non_finite_block_and_names_what_it_does_not_take():
+  q, k, v, mask = inputs(3, 1, 64, 1, 2, 32, None)
+  v = v.at[0, 5, 0, 3].set(jnp.inf)
+  for fmt in (MXFP4, NVFP4):  # the block's NaN scale byte (NVFP4) or E8M0 255 (MXFP4)
+    out = decode_attention(q, quantize(k, fmt), quantize(v, fmt), mask,
+                           implementation="pallas", backend="jax_triton", block_s=32)
+    assert np.isnan(np.asarray(out, np.float32)).any()
   q, k, v, mask = inputs(7, 1, 64, 1, 2, 32, MXFP4)
-  with pytest.raises(ValueError, match="takes bf16 caches"):
-    decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton")
-  q, k, v, mask = inputs(7, 1, 64, 1, 2, 32, None)
+  with pytest.raises(ValueError, match="not interpretable"):
+    decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton",
+                     decode="asm")
   with pytest.raises(ValueError, match="no interpret"):
     decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton",
                      interpret=True)
@@ -119,16 +130,20 @@ def test_jax_triton_backend_names_what_it_does_not_take():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,s,block_s,g,dh,splits", [
-    (1, 512, 64, 8, 128, None), (16, 2048, 64, 8, 128, None), (5, 4096, 128, 8, 128, 4),
-    (3, 1024, 64, 20, 64, None)])
-def test_jax_triton_kernel_on_gpu(b, s, block_s, g, dh, splits):
-  q, k, v, mask = inputs(b * s, b, s, 4, g, dh, None, lengths=[s - 37 * i for i in range(b)])
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("b,s,block_s,decode,g,dh,splits", [
+    (1, 512, 64, "asm", 8, 128, None), (16, 2048, 64, "asm", 8, 128, None),
+    (5, 4096, 128, "asm", 8, 128, 4), (4, 1024, 64, "bits", 8, 128, None),
+    (3, 1024, 64, "asm", 20, 64, None)])
+def test_jax_triton_kernel_on_gpu(fmt, b, s, block_s, decode, g, dh, splits):
+  """Compiled through jax-triton: the reference's outputs within the kernels' tolerance, and the
+  Pallas kernel's (the same program, its sums in the compilers' orders)."""
+  q, k, v, mask = inputs(b * s, b, s, 4, g, dh, fmt, lengths=[s - 37 * i for i in range(b)])
   got = decode_attention(q, k, v, mask, implementation="pallas", backend="jax_triton",
-                         block_s=block_s, splits=splits)
+                         block_s=block_s, splits=splits, decode=decode)
   want = decode_attention(q, k, v, mask)
   pallas = decode_attention(q, k, v, mask, implementation="pallas", block_s=block_s,
-                            splits=splits)
+                            splits=splits, decode=decode)
   assert not np.isnan(np.asarray(got, np.float32)).any()
   assert rel(got, want) < 4e-3 and rel(got, pallas) < 4e-3
 
@@ -479,7 +494,8 @@ def test_mosaic_kernel_on_gpu(fmt, fold, blocks, b, s, g, dh, splits):
 @pytest.mark.parametrize("fmt,backend", [(MXFP4, "mosaic"), (MXFP4, "triton"), (NVFP4, "triton"),
                                          (None, "triton"), (NVFP4, "mosaic"), (None, "mosaic"),
                                          (MXFP4, "mosaic b2"), (NVFP4, "mosaic b2"),
-                                         (None, "jax_triton")],
+                                         (None, "jax_triton"), (MXFP4, "jax_triton"),
+                                         (NVFP4, "jax_triton")],
                          ids=lambda v: fmt_id(v) if v is None or hasattr(v, "name") else v)
 def test_compiled_kernels_on_partly_filled_caches(fmt, backend):
   """Compiled: sequences from empty to full in a 2048-slot cache, non-finite values past each

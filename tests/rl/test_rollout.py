@@ -348,13 +348,15 @@ def test_pallas_attention_over_a_cache_it_has_not_filled():
   np.testing.assert_allclose(got, want, atol=0.03)
 
 
-def test_bf16_kernels_in_triton_language_in_the_engine(monkeypatch):
-  """triton_backend="jax_triton": a bf16 rollout's kernels (its projections, experts and decode
-  attention) on the Triton programs in Triton's own language (Triton's interpreter here), over
-  a cache it has not filled (48 slots, three 16-slot blocks), against the Pallas kernels'
-  rollout (interpret mode): the same programs, so the same tokens and, the interpreter summing
-  in numpy's order where Pallas' sums in XLA's, log-probabilities within rounding (7.3e-4 apart
-  at most here)."""
+@pytest.mark.parametrize("precision",
+                         ["bf16", "mxfp4", pytest.param("nvfp4", marks=pytest.mark.slow)])
+def test_kernels_in_triton_language_in_the_engine(precision, monkeypatch):
+  """triton_backend="jax_triton": a rollout's kernels written in Triton's own language too (a
+  bf16 rollout's projections, experts and decode attention; an FP4 one's attention) on those
+  programs (Triton's interpreter here), over a cache it has not filled (48 slots, three 16-slot
+  blocks), against the Pallas kernels' rollout (interpret mode): the same programs, so the same
+  tokens and records and, the interpreter summing in numpy's order where Pallas' sums in XLA's,
+  log-probabilities within rounding (7.3e-4 apart at most here in bf16)."""
   from pallas_kernels import dispatch as K
   from pallas_kernels import triton_call
   called = set()
@@ -362,19 +364,23 @@ def test_bf16_kernels_in_triton_language_in_the_engine(monkeypatch):
   monkeypatch.setattr(triton_call, "call", lambda kernel, *a, **kw: (
       called.add((kernel.__name__, kw.get("GROUPED"))), call(kernel, *a, **kw))[1])
   cfg, params = policy()
-  recipe = QuantRecipe.uniform("bf16")
+  recipe = QuantRecipe.uniform(precision)
   tokens, lengths = pad_prompts(PROMPTS)
   sampling = SamplingConfig(max_new_tokens=30, temperature=0.0)
   weights = pack_weights(cfg, params, recipe, ops=K.make_ops("pallas"))
-  out = {a: RolloutEngine(cfg, recipe, sampling, attn_chunk=16, kernels="pallas",
+  out = {a: RolloutEngine(cfg, recipe, sampling, attn_chunk=16, kernels="pallas", records="all",
                           triton_backend=a).generate(weights, tokens, lengths,
                                                      jax.random.PRNGKey(7))
          for a in ("pallas", "jax_triton")}
   got, want = out["jax_triton"], out["pallas"]
-  # the projections, the experts and the attention all ran in Triton's language
-  assert called == {("bf16_matmul", False), ("bf16_matmul", True), ("bf16_attention", None)}
+  # the projections, the experts and the attention all ran in Triton's language (FP4: the
+  # attention; its matmuls are the FP4 kernels)
+  assert called == ({("bf16_matmul", False), ("bf16_matmul", True), ("bf16_attention", None)}
+                    if precision == "bf16" else {("fp4_attention", None)})
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=5e-3)
+  for a, b in zip(jax.tree.leaves(got.records), jax.tree.leaves(want.records)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _assert_mosaic_rollouts_are_right(precision, monkeypatch, partials, attention="mosaic"):

@@ -138,8 +138,9 @@ class RolloutEngine:
   `fold_scales` (with "pallas"): the Mosaic kernels decode MXFP4 with one multiply a pair of
   values (`pallas_kernels.dispatch.KernelOps`); the same outputs. `attention_blocks` (with
   "pallas"): the Mosaic attention's 64-slot blocks a pipeline step over FP4 caches.
-  `triton_backend` (with "pallas"): how the bf16 Triton kernels are called, "pallas" or
-  "jax_triton" (the same programs in Triton's own language; `pallas_kernels.dispatch`).
+  `triton_backend` (with "pallas"): how the Triton kernels written in Triton's own language too
+  (the bf16 matmuls, the Triton attention) are called, "pallas" or "jax_triton"
+  (`pallas_kernels.dispatch`).
   """
 
   def __init__(self, cfg: ModelConfig, recipe: QuantRecipe, sampling: SamplingConfig,
