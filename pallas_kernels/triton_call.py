@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["call", "load", "interpreted"]
@@ -67,7 +68,7 @@ def call(kernel, *args, out_shape: Sequence[jax.ShapeDtypeStruct], grid: tuple[i
     tensors = list(args)
     for i, v in zip(arrays, values):
       tensors[i] = _torch(np.asarray(v), torch)
-    outs = [torch.full(s.shape, np.nan if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact) else -1,
+    outs = [torch.full(s.shape, np.nan if jnp.issubdtype(s.dtype, jnp.inexact) else -1,
                        dtype=_torch_dtype(s.dtype, torch)) for s in out_shape]
     kernel[grid](*tensors, *outs, INTERPRET=True, **meta)
     return [_numpy(o, s.dtype) for o, s in zip(outs, out_shape)]
@@ -77,20 +78,20 @@ def call(kernel, *args, out_shape: Sequence[jax.ShapeDtypeStruct], grid: tuple[i
 
 def _torch_dtype(dtype, torch):
   dtype = np.dtype(dtype)
-  if dtype == np.dtype(jax.numpy.bfloat16):
+  if dtype == np.dtype(jnp.bfloat16):
     return torch.bfloat16
   return torch.from_numpy(np.zeros(0, dtype)).dtype
 
 
 def _torch(a: np.ndarray, torch):
-  if a.dtype == np.dtype(jax.numpy.bfloat16):
+  if a.dtype == np.dtype(jnp.bfloat16):
     return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16)
   return torch.from_numpy(np.array(a))  # a copy: the callback's arrays are read-only
 
 
 def _numpy(t, dtype) -> np.ndarray:
   dtype = np.dtype(dtype)
-  if dtype == np.dtype(jax.numpy.bfloat16):
+  if dtype == np.dtype(jnp.bfloat16):
     import torch
     return t.view(torch.int16).numpy().view(dtype)
   return t.numpy()

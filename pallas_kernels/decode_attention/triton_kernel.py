@@ -24,6 +24,14 @@ ASM_NV_HI = tl.constexpr(E2M1_NV_ASM["hi"])
 
 
 @triton.jit
+def _bf16_rne(x):
+  """float32 x rounded to the nearest even bf16, kept in float32: what a cast to bf16 gives on a
+  GPU, written in integers for the interpreter, whose cast truncates."""
+  bits = x.to(tl.uint32, bitcast=True)
+  return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def bf16_attention(q_ptr, mask_ptr, end_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
                    B: tl.constexpr, S: tl.constexpr, KV: tl.constexpr, ROWS: tl.constexpr,
                    DH: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS_PER_SPLIT: tl.constexpr,
@@ -62,9 +70,8 @@ def bf16_attention(q_ptr, mask_ptr, end_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
     p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + tl.sum(p, axis=1)
     v = tl.load(v_ptr + at)
-    if INTERPRET:  # its cast to bf16 truncates: p rounded to the nearest even bf16 in integers
-      bits = p.to(tl.uint32, bitcast=True)
-      p = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    if INTERPRET:
+      p = _bf16_rne(p)
       v = v.to(tl.float32)
     else:
       p = p.to(tl.bfloat16)
@@ -74,14 +81,6 @@ def bf16_attention(q_ptr, mask_ptr, end_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
   tl.store(o_ptr + (out.to(tl.int64) * ROWS + rows[:, None]) * DH + d[None, :], acc)
   tl.store(m_ptr + out * ROWS + rows, m)
   tl.store(l_ptr + out * ROWS + rows, l)
-
-
-@triton.jit
-def _bf16_rne(x):
-  """float32 x rounded to the nearest even bf16, kept in float32: what a cast to bf16 gives on a
-  GPU, written in integers for the interpreter, whose cast truncates."""
-  bits = x.to(tl.uint32, bitcast=True)
-  return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
