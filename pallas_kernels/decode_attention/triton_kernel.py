@@ -32,6 +32,36 @@ def _bf16_rne(x):
 
 
 @triton.jit
+def _split_start(end_ptr, b, split, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                 SLOTS_PER_SPLIT: tl.constexpr):
+  """A program's first slot, its count of blocks before its sequence's end (`end_ptr`: one past
+  each sequence's last valid slot), and the online softmax's starting max and sum."""
+  base = split * SLOTS_PER_SPLIT
+  end = tl.load(end_ptr + b)
+  blocks = tl.minimum(tl.maximum((end - base + BLOCK_S - 1) // BLOCK_S, 0),
+                      SLOTS_PER_SPLIT // BLOCK_S)
+  return base, blocks, tl.full((ROWS,), MASKED, tl.float32), tl.zeros((ROWS,), tl.float32)
+
+
+@triton.jit
+def _softmax_step(s, valid, m, l, SCALE: tl.constexpr, INTERPRET: tl.constexpr):
+  """One block's scores (float32 dot products [rows, slots]) into the online softmax: scaled,
+  the invalid slots left out -> (p, its probabilities in bf16 against the new running max (in
+  float32 holding bf16 values under INTERPRET), alpha, the old state's rescale, the new max m
+  and sum l)."""
+  s = tl.where(valid[None, :], s * SCALE, MASKED)
+  m_new = tl.maximum(m, tl.max(s, axis=1))
+  alpha = tl.exp(m - m_new)
+  p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+  l = l * alpha + tl.sum(p, axis=1)
+  if INTERPRET:
+    p = _bf16_rne(p)
+  else:
+    p = p.to(tl.bfloat16)
+  return p, alpha, m_new, l
+
+
+@triton.jit
 def bf16_attention(q_ptr, mask_ptr, end_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
                    B: tl.constexpr, S: tl.constexpr, KV: tl.constexpr, ROWS: tl.constexpr,
                    DH: tl.constexpr, BLOCK_S: tl.constexpr, SLOTS_PER_SPLIT: tl.constexpr,
@@ -48,12 +78,7 @@ def bf16_attention(q_ptr, mask_ptr, end_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
   q = tl.load(q_ptr + (head * ROWS + rows[:, None]) * DH + d[None, :])
   if INTERPRET:  # the interpreter's tl.dot takes bf16 as integers: float32, the same products
     q = q.to(tl.float32)
-  base = split * SLOTS_PER_SPLIT
-  end = tl.load(end_ptr + b)
-  blocks = tl.minimum(tl.maximum((end - base + BLOCK_S - 1) // BLOCK_S, 0),
-                      SLOTS_PER_SPLIT // BLOCK_S)
-  m = tl.full((ROWS,), MASKED, tl.float32)
-  l = tl.zeros((ROWS,), tl.float32)
+  base, blocks, m, l = _split_start(end_ptr, b, split, ROWS, BLOCK_S, SLOTS_PER_SPLIT)
   acc = tl.zeros((ROWS, DH), tl.float32)
   for i in range(0, blocks):
     s0 = base + i * BLOCK_S
@@ -62,21 +87,12 @@ def bf16_attention(q_ptr, mask_ptr, end_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr,
     k = tl.load(k_ptr + at)
     if INTERPRET:
       k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * SCALE
     valid = tl.load(mask_ptr + b * S + s0 + slots) != 0
-    s = tl.where(valid[None, :], s, MASKED)
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
-    l = l * alpha + tl.sum(p, axis=1)
+    p, alpha, m, l = _softmax_step(tl.dot(q, tl.trans(k)), valid, m, l, SCALE, INTERPRET)
     v = tl.load(v_ptr + at)
     if INTERPRET:
-      p = _bf16_rne(p)
       v = v.to(tl.float32)
-    else:
-      p = p.to(tl.bfloat16)
     acc = acc * alpha[:, None] + tl.dot(p, v)
-    m = m_new
   out = (split * B + b) * KV + h
   tl.store(o_ptr + (out.to(tl.int64) * ROWS + rows[:, None]) * DH + d[None, :], acc)
   tl.store(m_ptr + out * ROWS + rows, m)
@@ -175,34 +191,19 @@ def fp4_attention(q_ptr, mask_ptr, end_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_p
   if INTERPRET:
     q_e = q_e.to(tl.float32)
     q_o = q_o.to(tl.float32)
-  base = split * SLOTS_PER_SPLIT
-  end = tl.load(end_ptr + b)
-  blocks = tl.minimum(tl.maximum((end - base + BLOCK_S - 1) // BLOCK_S, 0),
-                      SLOTS_PER_SPLIT // BLOCK_S)
-  m = tl.full((ROWS,), MASKED, tl.float32)
-  l = tl.zeros((ROWS,), tl.float32)
+  base, blocks, m, l = _split_start(end_ptr, b, split, ROWS, BLOCK_S, SLOTS_PER_SPLIT)
   acc_e = tl.zeros((ROWS, HALF), tl.float32)
   acc_o = tl.zeros((ROWS, HALF), tl.float32)
   for i in range(0, blocks):
     s0 = base + i * BLOCK_S
     row = (b.to(tl.int64) * S + s0 + slots[:, None]) * KV + h  # the slots' (slot, head) rows
     k_e, k_o = _decode(kc_ptr, ks_ptr, kg_ptr, row, HALF, NB, GROUP, NVFP4, ASM, INTERPRET)
-    s = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
-    s = s * SCALE
     valid = tl.load(mask_ptr + b * S + s0 + slots) != 0
-    s = tl.where(valid[None, :], s, MASKED)
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
-    l = l * alpha + tl.sum(p, axis=1)
+    p, alpha, m, l = _softmax_step(tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o)),
+                                   valid, m, l, SCALE, INTERPRET)
     v_e, v_o = _decode(vc_ptr, vs_ptr, vg_ptr, row, HALF, NB, GROUP, NVFP4, ASM, INTERPRET)
-    if INTERPRET:
-      p = _bf16_rne(p)
-    else:
-      p = p.to(tl.bfloat16)
     acc_e = acc_e * alpha[:, None] + tl.dot(p, v_e)
     acc_o = acc_o * alpha[:, None] + tl.dot(p, v_o)
-    m = m_new
   out = (split * B + b) * KV + h
   at_o = (out.to(tl.int64) * ROWS + rows[:, None]) * DH + d[None, :]
   tl.store(o_ptr + at_o, acc_e)
