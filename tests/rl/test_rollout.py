@@ -348,8 +348,10 @@ def test_pallas_attention_over_a_cache_it_has_not_filled():
   np.testing.assert_allclose(got, want, atol=0.03)
 
 
-@pytest.mark.parametrize("precision",
-                         ["bf16", "mxfp4", pytest.param("nvfp4", marks=pytest.mark.slow)])
+# FP4 in the slow run (40-65 s on 2 cores): the kernel alone is checked against the Pallas one
+# bit for bit for every cache format in tests/pallas_kernels
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("mxfp4", marks=pytest.mark.slow),
+                                       pytest.param("nvfp4", marks=pytest.mark.slow)])
 def test_kernels_in_triton_language_in_the_engine(precision, monkeypatch):
   """triton_backend="jax_triton": a rollout's kernels written in Triton's own language too (a
   bf16 rollout's projections, experts and decode attention; an FP4 one's attention) on those
