@@ -18,7 +18,8 @@ from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
 BACKENDS = ("triton", "mosaic", "jax_triton")  # the kernel of the "pallas" path: Pallas' Triton
-# lowering, Mosaic GPU, or Triton's own language through jax-triton (bf16 caches; `triton_kernel`)
+# lowering, Mosaic GPU, or the Triton program in Triton's own language through jax-triton
+# (`triton_kernel`)
 MIN_ROWS = 16  # the smallest matrix-instruction tile: query heads per kv head are padded to a
 # power of two of at least this many rows
 
