@@ -107,11 +107,11 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   if attention_blocks not in mosaic_attention.BLOCKS:
     raise ValueError(f"attention_blocks must be one of {mosaic_attention.BLOCKS}, got "
                      f"{attention_blocks!r}")
-  if kernels != "pallas" and (w4a4 or fold_scales or attention_blocks > 1
-                               or triton_backend != "pallas"):
-    what = ("w4a4" if w4a4 else "fold_scales" if fold_scales else "attention_blocks > 1"
-            if attention_blocks > 1 else f"triton_backend={triton_backend!r}")
-    raise ValueError(f"{what} runs the Pallas kernels: it needs kernels='pallas'")
+  pallas_only = [name for name, asked in (
+      ("w4a4", w4a4), ("fold_scales", fold_scales), ("attention_blocks > 1", attention_blocks > 1),
+      (f"triton_backend={triton_backend!r}", triton_backend != "pallas")) if asked]
+  if kernels != "pallas" and pallas_only:
+    raise ValueError(f"{pallas_only[0]} runs the Pallas kernels: it needs kernels='pallas'")
   if kernels == "xla":
     return XLA
   if kernels == "tokamax":
