@@ -276,7 +276,12 @@ class NVFP4Format(BlockFormat):
     g_1 = jnp.maximum(amax_1 * _f32_reciprocal(_NVFP4_GLOBAL_DIVISOR), _F32_TINY)
     g_1 = jnp.where(amax_1 > 0, g_1, 1.0)
     tiny_N = amax_N < _UP_BELOW  # amax / 6 is subnormal under 6 x 2^-126: take it 2^64 up
-    s_N = ((amax_N * _pow2(tiny_N, _UP_EXP)) * _f32_reciprocal(6.0)) * recip(g_1)
+    # amax / 6 is never subnormal, so flushing it changes nothing, but it keeps the two
+    # roundings: XLA's simplifier would otherwise rewrite (amax x c) x broadcast(1 / g), c a
+    # constant, as amax x broadcast(c / g), which is off by one ulp at times (a tie 336 came out
+    # 336.00003 and so E4M3 byte 123 in place of 122)
+    sixth_N = codecs.flush_subnormal((amax_N * _pow2(tiny_N, _UP_EXP)) * _f32_reciprocal(6.0))
+    s_N = sixth_N * recip(g_1)
     # and back: exact for every s E4M3 can round to other than zero (>= 2^-10)
     s_N = s_N * _pow2(tiny_N, -_UP_EXP)
     s_N = jnp.clip(s_N, 0.0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
