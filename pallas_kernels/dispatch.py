@@ -222,17 +222,20 @@ def _experts(x_RxD: jax.Array, w, rows, fold: bool = False,
                             **_folds(w, fold))
 
 
-def _quantize(x: jax.Array, fmt: Format, values: bool = False, rms_norm=None):
+def _quantize(x: jax.Array, fmt: Format, values: bool = False, rms_norm=None,
+              triton_backend: str = "pallas"):
   """x quantized along its last axis (an activation or a K/V site) and its record, by the fused
   quantize-and-record kernel, or None where the kernel takes no such format or size; the same
   codes, scales and record bits as `quant.quantize` and `quant.make_record`, and with `values`
   the values `quant.dequantize` gives them, in x's dtype, written by the same kernel. With
   `rms_norm` (w, eps) the kernel quantizes x's RMSNorm, which it computes and returns too (the
-  model's norm before the attention and the experts: no pass of its own)."""
+  model's norm before the attention and the experts: no pass of its own). `triton_backend` as
+  in `_linear`."""
   if fmt.name not in _RECORD_FORMATS or x.shape[-1] % fmt.block_size:
     return None
-  return quantize_and_record(x, fmt.name, implementation="pallas", interpret=_interpret(),
-                             values=values, rms_norm=rms_norm, normed=rms_norm is not None)
+  return quantize_and_record(x, fmt.name, implementation="pallas", values=values,
+                             rms_norm=rms_norm, normed=rms_norm is not None,
+                             **_triton_call(triton_backend))
 
 
 # the Mosaic attention skips only whole splits past a sequence's end: splits of at most this
@@ -400,7 +403,7 @@ class KernelOps(XlaOps):
                       triton_backend=self.triton_backend)
 
   def quantize(self, x, fmt, values: bool = False, rms_norm=None):
-    return _quantize(x, fmt, values, rms_norm)
+    return _quantize(x, fmt, values, rms_norm, self.triton_backend)
 
 
 class TokamaxOps(XlaOps):

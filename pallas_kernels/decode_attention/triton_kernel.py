@@ -15,7 +15,8 @@ import triton.language as tl
 
 from pallas_kernels.fp4_matmul.kernel import E2M1_ASM, E2M1_NV_ASM
 
-MASKED = -1e30  # a finite running-max start, as kernel.py's: no inf - inf in the rescale
+# a finite running-max start, as kernel.py's: no inf - inf in the rescale
+MASKED = tl.constexpr(-1e30)
 # the FP4 decode's PTX (`fp4_matmul.kernel`: four codes bytes and their scales an instance)
 ASM_MX_LO = tl.constexpr(E2M1_ASM["lo"])
 ASM_MX_HI = tl.constexpr(E2M1_ASM["hi"])
@@ -24,7 +25,7 @@ ASM_NV_HI = tl.constexpr(E2M1_NV_ASM["hi"])
 
 
 @triton.jit
-def _bf16_rne(x):
+def bf16_rne(x):
   """float32 x rounded to the nearest even bf16, kept in float32: what a cast to bf16 gives on a
   GPU, written in integers for the interpreter, whose cast truncates."""
   bits = x.to(tl.uint32, bitcast=True)
@@ -55,7 +56,7 @@ def _softmax_step(s, valid, m, l, SCALE: tl.constexpr, INTERPRET: tl.constexpr):
   p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
   l = l * alpha + tl.sum(p, axis=1)
   if INTERPRET:
-    p = _bf16_rne(p)
+    p = bf16_rne(p)
   else:
     p = p.to(tl.bfloat16)
   return p, alpha, m_new, l
@@ -158,8 +159,8 @@ def _decode(codes_ptr, scales_ptr, global_ptr, row, HALF: tl.constexpr, NB: tl.c
     lo = _e2m1_f32(c & 15) * scale
     hi = _e2m1_f32(c >> 4) * scale
     if INTERPRET:
-      lo = _bf16_rne(lo)
-      hi = _bf16_rne(hi)
+      lo = bf16_rne(lo)
+      hi = bf16_rne(hi)
     else:
       lo = lo.to(tl.bfloat16)
       hi = hi.to(tl.bfloat16)

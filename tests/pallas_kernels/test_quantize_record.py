@@ -1,5 +1,7 @@
 """Quantize-and-record kernels against the quant core, bit for bit: interpret mode on CPU, the
-Triton lowering on CPU (lowered for CUDA, not compiled), compiled on a GPU (-m gpu)."""
+Triton lowering on CPU (lowered for CUDA, not compiled), compiled on a GPU (-m gpu); the kernel
+in Triton's own language (backend="jax_triton") in Triton's interpreter on CPU, through
+jax-triton on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +145,27 @@ def test_tiny_rows_in_interpret_mode_are_the_cores(fmt, layout):
 
 
 @pytest.mark.parametrize("layout", ["blocks", "strided"])
+def test_interpret_mode_keeps_the_cores_order_of_multiplications(layout):
+  """NVFP4's block scale is (amax x f32(1/6)) x (1/g), two roundings; XLA's simplifier would
+  make it amax x (f32(1/6) x (1/g)), both being broadcasts, which differs in the last bit (here
+  336.00003 for the exact tie 336: E4M3 byte 123 in place of 122). A row of 8 blocks whose
+  maxima are those of an RMSNorm output that showed it."""
+  amax = np.array([2.109375, 2.140625, 3.125, 0.953125, 2.0625, 2.375, 1.7265625, 2.34375],
+                  np.float32)
+  x = np.zeros((8, 16), np.float32)
+  x[:, 3] = amax
+  x[:, 5] = -amax / 3
+  x = jnp.asarray(x.reshape(1, 128))
+  want = quantize_and_record(x, "nvfp4")
+  assert np.asarray(want[0].scales)[0, 7] == 122  # 320: the tie 336 to the even mantissa
+  assert_same(quantize_and_record(x, "nvfp4", implementation="pallas", layout=layout,
+                                  interpret=True), want)
+  if layout == "blocks":  # and the program in Triton's language, its own steps
+    assert_same(quantize_and_record(x, "nvfp4", implementation="pallas", backend="jax_triton"),
+                want)
+
+
+@pytest.mark.parametrize("layout", ["blocks", "strided"])
 def test_bf16_input(layout):
   x = jax.random.normal(jax.random.PRNGKey(3), (5, 64), jnp.bfloat16)
   assert_same(quantize_and_record(x, "mxfp4", implementation="pallas", layout=layout,
@@ -178,23 +201,21 @@ def test_kernel_lowers_to_triton(fmt, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("layout", ["blocks", "strided"])
+@pytest.mark.parametrize("layout, backend", [("blocks", "triton"), ("strided", "triton"),
+                                             ("blocks", "jax_triton")])
 @pytest.mark.parametrize("shape", [(1, 2048), (64, 2048), (256, 768), (1000, 128)])
-def test_kernel_on_gpu_is_bit_exact(fmt, layout, shape):
+def test_kernel_on_gpu_is_bit_exact(fmt, layout, backend, shape):
+  kernel = dict(implementation="pallas", layout=layout, backend=backend)
   for seed in range(3):  # fresh inputs each time
     x = hostile(jax.random.PRNGKey(seed * 1000 + shape[0]), shape).astype(
         jnp.bfloat16 if seed == 2 else jnp.float32)
-    assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout),
-                quantize_and_record(x, fmt))
+    assert_same(quantize_and_record(x, fmt, **kernel), quantize_and_record(x, fmt))
   x = hostile(jax.random.PRNGKey(7), (shape[0] + 3, shape[1]))  # T not a multiple of block_t
-  assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout, block_t=8),
-              quantize_and_record(x, fmt))
+  assert_same(quantize_and_record(x, fmt, block_t=8, **kernel), quantize_and_record(x, fmt))
   x = tie_rich(jax.random.PRNGKey(11), shape).astype(jnp.bfloat16)  # reciprocals rounded right
-  assert_same(quantize_and_record(x, fmt, implementation="pallas", layout=layout),
-              quantize_and_record(x, fmt))
+  assert_same(quantize_and_record(x, fmt, **kernel), quantize_and_record(x, fmt))
   for x in (hostile(jax.random.PRNGKey(5), shape).astype(jnp.bfloat16), x):  # and the values
-    qa, rec, values = quantize_and_record(x, fmt, implementation="pallas", layout=layout,
-                                          values=True)
+    qa, rec, values = quantize_and_record(x, fmt, values=True, **kernel)
     assert_same((qa, rec), quantize_and_record(x, fmt))
     assert_same_values(values, dequantize(qa).astype(x.dtype))
 
@@ -272,6 +293,53 @@ def test_norm_then_quantize_lowers_to_triton(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(1, 2048), (64, 2048), (1000, 768)])
-def test_norm_then_quantize_on_gpu(fmt, shape):
+@pytest.mark.parametrize("backend", ["triton", "jax_triton"])
+def test_norm_then_quantize_on_gpu(fmt, shape, backend):
   x, w = _norm_inputs(shape, shape[0])
-  _check_norm_then_quantize(fmt, x, w)
+  _check_norm_then_quantize(fmt, x, w, backend=backend)
+
+
+# Triton's interpreter runs each program in numpy: small shapes
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape, block_t, dtype", [
+    ((17, 2, 128), 4, jnp.float32), ((5, 96), None, jnp.bfloat16), ((1, 32), None, jnp.float32)])
+def test_kernel_in_triton_language_is_bit_exact(fmt, shape, block_t, dtype):
+  """The program in Triton's own language (its scale rules written there, not the core's jnp):
+  codes, scales, record and values the core's, on hostile and tie-rich inputs, tokens past the
+  last full tile and blocks past a power of two."""
+  kernel = dict(implementation="pallas", backend="jax_triton", block_t=block_t, values=True)
+  for x in (hostile(jax.random.PRNGKey(sum(shape)), shape),
+            tie_rich(jax.random.PRNGKey(len(shape)), shape)):
+    x = x.astype(dtype)
+    qa, rec, values = quantize_and_record(x, fmt, **kernel)
+    assert_same((qa, rec), quantize_and_record(x, fmt))
+    assert_same_values(values, dequantize(qa).astype(dtype))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_language_kernel_on_tiny_rows_and_with_the_norm(fmt):
+  """Rows at 2^-149 .. 2^-100 (NVFP4 computed 2^64 up, subnormal inputs read as zero), and the
+  RMSNorm in the kernel, as in the Pallas kernel's tests."""
+  from tests.quant.test_magnitudes import magnitudes
+  x = jnp.asarray(magnitudes(5, low=True))
+  qa, rec, values = quantize_and_record(x, fmt, implementation="pallas", backend="jax_triton",
+                                        values=True)
+  assert_same((qa, rec), quantize_and_record(x, fmt))
+  assert_same_values(values, dequantize(qa))
+  x, w = _norm_inputs((5, 96), 5)
+  _check_norm_then_quantize(fmt, x, w, backend="jax_triton")
+
+
+def test_triton_language_errors():
+  x = jax.random.normal(jax.random.PRNGKey(3), (5, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="backend must be one of"):
+    quantize_and_record(x, "mxfp4", implementation="pallas", backend="cuda")
+  with pytest.raises(ValueError, match="no interpret argument, no other layout"):
+    quantize_and_record(x, "mxfp4", implementation="pallas", backend="jax_triton",
+                        interpret=True)
+  with pytest.raises(ValueError, match="no interpret argument, no other layout"):
+    quantize_and_record(x, "mxfp4", implementation="pallas", backend="jax_triton",
+                        layout="strided")
+  with pytest.raises(ValueError, match="float32 or bfloat16 x, got float16"):
+    quantize_and_record(x.astype(jnp.float16), "mxfp4", implementation="pallas",
+                        backend="jax_triton")
