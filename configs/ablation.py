@@ -44,7 +44,10 @@ SCALES = ("cpu", "gpu")
 # 0.05 (nothing to learn from); 3 terms of up to 2 digits, 500 supervised and 200 RL steps,
 # went 0.445 -> 0.540 in 3.5 minutes. Long-horizon's warm start, timed on an H100 (2026-12-07,
 # RESULTS.md): 1.1 s a step of 32 episodes, its loss at ln(10)/2 (uniform digits) from step 22
-# to 140, then falling; 400 steps keep ~260 past that. Its RL step on the same GPU (2026-12-07,
+# to 140, then falling. On cuDNN's fused attention (`sft.attention`, 2026-12-08, H100) 0.62 s a
+# step, and that run's plateau lasted to about step 330 (greedy accuracy 0.113 at step 349):
+# how long it lasts varies from run to run, so 700 steps (~7 minutes, what 400 took on the full
+# attention) keep ~370 past the later of the two. Its RL step on the same GPU (2026-12-07,
 # XLA's engine): 6.6 s of rollout and 4.2 s of training after the compiling steps; its rollout
 # on the engine's Pallas kernels took 3.4 s against XLA's 5.3 (BENCHMARKS.md), so long-horizon
 # rolls out on them (reasoning's prefill-heavy rollout stays on XLA, the faster there). Its RL
@@ -65,7 +68,7 @@ GPU_SCHEDULE = {
     # attention's 873 on an H100 (BENCHMARKS.md), ~1.6 of the ~7 minutes every GPU machine
     # spends making a seed's warm start again; RL's trainer keeps the full attention, whose
     # sums every mode's measured mismatch shares
-    "long_horizon": {"task.long_horizon.turns": 256, "sft.steps": 400, "sft.batch_size": 32,
+    "long_horizon": {"task.long_horizon.turns": 256, "sft.steps": 700, "sft.batch_size": 32,
                      "sft.attention": "fused",
                      "rl.steps": 60, "rl.prompts_per_step": 16, "eval.size": 50,
                      "eval.batch_size": 50, "rl.remat": "layer", "engine.kernels": "pallas",
