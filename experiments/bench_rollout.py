@@ -23,7 +23,7 @@ each on its own, where the weight sync packs q, k and v as one, and gate and up 
 the scales folded, `engine.fold_scales`; `+b2` on an FP4 pallas variant the Mosaic attention's
 two 64-slot blocks a pipeline step, `RolloutEngine(attention_blocks=2)`; `+jt` on a pallas
 variant the Triton kernels written in Triton's own language too (the bf16 matmuls, the Triton
-attention) called through jax-triton, `engine.triton_backend=jax_triton`) and
+attention, quantize-and-record) called through jax-triton, `engine.triton_backend=jax_triton`) and
 batch size, the rollout engine decodes `steps` tokens per sequence after `context` tokens of
 context, in one jitted decode loop (records off, sampling at temperature 1). The cache holds
 random codes for the context (the attention reads every slot up to the current token whatever

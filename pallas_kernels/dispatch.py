@@ -31,10 +31,11 @@ rollout on it decodes 1.08x / 1.04x / 1.11x the tokens per second of the rollout
 one at batch 16 / 64 / 256 (2026-12-04, "NVFP4 attention in the rollout"): "auto" runs it for
 NVFP4 caches of those head dims and Triton for the others. That is `attention_kernel` "auto";
 "triton" or "mosaic" ask for one backend. `triton_backend` "jax_triton" runs the bf16 Triton
-matmuls (dense and grouped) and the Triton attention (every cache format) as the same programs
-written in Triton's own language, through jax-triton (`pallas_kernels.triton_call`), Pallas'
-Triton lowering being deprecated from jax 0.11; "pallas" (the default) on that lowering. The
-FP4 matmuls' Triton kernels (off Hopper) and the quantize-and-record kernel stay on it.
+matmuls (dense and grouped), the Triton attention (every cache format) and the
+quantize-and-record kernel as the same programs written in Triton's own language, through
+jax-triton (`pallas_kernels.triton_call`), Pallas' Triton lowering being deprecated from jax
+0.11; "pallas" (the default) on that lowering. The FP4 matmuls' Triton kernels (off Hopper)
+stay on it.
 On a backend other than GPU the Triton kernels run in Pallas' interpret mode (tiled weights
 taken back first): slow, for tests.
 """
@@ -67,7 +68,7 @@ FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, 
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
 ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
 # how the Triton kernels that exist in Triton's own language (the bf16 matmuls, dense and grouped,
-# and the attention over any cache) are called: Pallas' Triton lowering, or those programs through
+# the attention over any cache, quantize-and-record) are called: Pallas' Triton lowering, or those programs through
 # jax-triton (`pallas_kernels.triton_call`; Pallas' Triton lowering is deprecated from jax 0.11)
 TRITON_BACKENDS = ("pallas", "jax_triton")
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
@@ -93,7 +94,7 @@ def make_ops(kernels: str = "xla", attention_kernel: str = "auto", act_dtype=jnp
   `mosaic_attention.FOLD_REF`; 1-2% faster attention, no change in the 48-layer rollout on an
   H100: BENCHMARKS.md). `attention_blocks`: 64-slot blocks a pipeline step of the Mosaic
   attention over FP4 caches (`mosaic_attention.BLOCKS`; 2 is correct and takes 1.04-1.14x the time
-  of 1 in 11 of 12 shapes on an H100: BENCHMARKS.md). `triton_backend`: how the bf16 Triton
+  of 1 in 11 of 12 shapes on an H100: BENCHMARKS.md). `triton_backend`: how the Triton
   kernels are called (`TRITON_BACKENDS`)."""
   if kernels not in KERNELS:
     raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
@@ -356,7 +357,8 @@ class KernelOps(XlaOps):
   of its split partials where there were three, and the experts' w_gate and w_up, one grouped
   launch (one read of the dispatched rows) where there were two. `()` packs each apart.
 
-  `triton_backend`: how the bf16 Triton kernels are called (`TRITON_BACKENDS`)."""
+  `triton_backend`: how the Triton kernels that exist in Triton's own language are called
+  (`TRITON_BACKENDS`)."""
 
   name = "pallas"
 

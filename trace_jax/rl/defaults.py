@@ -95,8 +95,8 @@ def base_config() -> ml_collections.ConfigDict:
   # their decode attention's backend: auto (the Mosaic kernel for MXFP4 caches on Hopper, the
   # Triton one otherwise, as measured) | triton | mosaic
   c.engine.attention_kernel = "auto"
-  # how the Triton kernels written in Triton's own language too (the bf16 matmuls and the Triton
-  # attention) are called: pallas (Pallas' Triton lowering, deprecated from jax 0.11) |
+  # how the Triton kernels written in Triton's own language too (the bf16 matmuls, the Triton
+  # attention, quantize-and-record) are called: pallas (Pallas' Triton lowering, deprecated from jax 0.11) |
   # jax_triton (those programs through jax-triton; Triton's interpreter off a GPU)
   c.engine.triton_backend = "pallas"
   # the decode step as one lax.scan per run of layers alike (compiled once whatever the depth;

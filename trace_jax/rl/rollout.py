@@ -139,7 +139,8 @@ class RolloutEngine:
   values (`pallas_kernels.dispatch.KernelOps`); the same outputs. `attention_blocks` (with
   "pallas"): the Mosaic attention's 64-slot blocks a pipeline step over FP4 caches.
   `triton_backend` (with "pallas"): how the Triton kernels written in Triton's own language too
-  (the bf16 matmuls, the Triton attention) are called, "pallas" or "jax_triton"
+  (the bf16 matmuls, the Triton attention, quantize-and-record) are called, "pallas" or
+  "jax_triton"
   (`pallas_kernels.dispatch`).
   """
 
