@@ -31,11 +31,10 @@ rollout on it decodes 1.08x / 1.04x / 1.11x the tokens per second of the rollout
 one at batch 16 / 64 / 256 (2026-12-04, "NVFP4 attention in the rollout"): "auto" runs it for
 NVFP4 caches of those head dims and Triton for the others. That is `attention_kernel` "auto";
 "triton" or "mosaic" ask for one backend. `triton_backend` "jax_triton" runs the bf16 Triton
-matmuls (dense and grouped), the Triton attention (every cache format) and the
-quantize-and-record kernel as the same programs written in Triton's own language, through
-jax-triton (`pallas_kernels.triton_call`), Pallas' Triton lowering being deprecated from jax
-0.11; "pallas" (the default) on that lowering. The FP4 matmuls' Triton kernels (off Hopper)
-stay on it.
+matmuls (dense and grouped), the Triton FP4 matmuls (off Hopper), the Triton attention (every
+cache format) and the quantize-and-record kernel as the same programs written in Triton's own
+language, through jax-triton (`pallas_kernels.triton_call`), Pallas' Triton lowering being
+deprecated from jax 0.11; "pallas" (the default) on that lowering.
 On a backend other than GPU the Triton kernels run in Pallas' interpret mode (tiled weights
 taken back first): slow, for tests.
 """
@@ -67,8 +66,8 @@ FP4_ORDER = "halves"  # the engine's nibble order (measured faster on the H200, 
 # the projections of one input the kernels' weight sync packs as one weight (`KernelOps.fuse`)
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))
 ATTENTION_KERNELS = ("auto", "triton", "mosaic")  # the decode attention's, under "pallas"
-# how the Triton kernels that exist in Triton's own language (the bf16 matmuls, dense and grouped,
-# the attention over any cache, quantize-and-record) are called: Pallas' Triton lowering, or those programs through
+# how the Triton kernels that exist in Triton's own language (the bf16 and FP4 matmuls, dense and
+# grouped, the attention over any cache, quantize-and-record) are called: Pallas' Triton lowering, or those programs through
 # jax-triton (`pallas_kernels.triton_call`; Pallas' Triton lowering is deprecated from jax 0.11)
 TRITON_BACKENDS = ("pallas", "jax_triton")
 MOSAIC_ATTENTION_FORMATS = ("mxfp4",)  # the caches "auto" gives the Mosaic kernel (measured),
@@ -203,8 +202,8 @@ def _linear(x: jax.Array, w, fold: bool = False,
     return None
   if isinstance(w, jax.Array):
     return bf16_matmul(x, w, implementation="pallas", **tiles, **_triton_call(triton_backend))
-  return fp4_matmul(x, w, implementation="pallas", interpret=_interpret(), **tiles,
-                    **_folds(w, fold))
+  return fp4_matmul(x, w, implementation="pallas", **tiles, **_folds(w, fold),
+                    **_triton_call(triton_backend))
 
 
 def _experts(x_RxD: jax.Array, w, rows, fold: bool = False,
@@ -219,8 +218,8 @@ def _experts(x_RxD: jax.Array, w, rows, fold: bool = False,
   if isinstance(w, jax.Array):
     return grouped_bf16_matmul(*args, implementation="pallas", **tiles,
                                **_triton_call(triton_backend))
-  return grouped_fp4_matmul(*args, implementation="pallas", interpret=_interpret(), **tiles,
-                            **_folds(w, fold))
+  return grouped_fp4_matmul(*args, implementation="pallas", **tiles, **_folds(w, fold),
+                            **_triton_call(triton_backend))
 
 
 def _quantize(x: jax.Array, fmt: Format, values: bool = False, rms_norm=None,

@@ -110,7 +110,7 @@ def _e2m1_f32(codes):
 
 
 @triton.jit
-def _scale_f32(s, NVFP4: tl.constexpr):
+def scale_f32(s, NVFP4: tl.constexpr):
   """Scale bytes (int32) -> float32, from the bits, as the Pallas kernel's `kernel.block_scale`
   takes them: MXFP4's E8M0 byte as the exponent field (`kernel.e8m0_bf16`: 2^(s - 127), byte
   255 Inf, byte 0 zero), NVFP4's E4M3 (`kernel.e4m3_f32`: 0x7F and 0xFF NaN)."""
@@ -137,9 +137,18 @@ def _decode(codes_ptr, scales_ptr, global_ptr, row, HALF: tl.constexpr, NB: tl.c
   j = tl.arange(0, HALF)[None, :]
   codes = tl.load(codes_ptr + row * HALF + j)
   s = tl.load(scales_ptr + row * NB + j // GROUP).to(tl.int32)
-  scale = _scale_f32(s, NVFP4)
+  scale = scale_f32(s, NVFP4)
   if NVFP4:
     scale = scale * tl.load(global_ptr + row)
+  return decode_pairs(codes, scale, NVFP4, ASM, INTERPRET)
+
+
+@triton.jit
+def decode_pairs(codes, scale, NVFP4: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr):
+  """Packed codes (uint8, two E2M1 codes a byte) and each byte's scale (float32, `scale_f32`:
+  MXFP4's power of two, or NVFP4's E4M3 times its global) -> the bf16 values of the low and of
+  the high nibbles (float32 holding them under INTERPRET), as `kernel.decode_nibbles` gives them:
+  from the bits, or by the same PTX (ASM, GPU only)."""
   if ASM:  # kernel.E2M1_ASM / E2M1_NV_ASM: the PTX decode (GPU only)
     if NVFP4:
       lo = tl.inline_asm_elementwise(ASM_NV_LO, "=r,=r,r,r,r,r,r",

@@ -21,8 +21,8 @@ from pallas_kernels.fp4_matmul.tiling import default_splits, place_rows, sorted_
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
-BF16_BACKENDS = ("triton", "jax_triton")  # the bf16 kernels' (Pallas' Triton lowering, Triton's
-# own language through jax-triton)
+BACKENDS = ("triton", "jax_triton")  # the Triton kernels': Pallas' Triton lowering, or Triton's
+# own language through jax-triton (the bf16 kernels, and the FP4 dot kernel on a [K, N] weight)
 VARIANTS = ("dot", "gemv")
 # up to this many rows the float32 multiply-add kernel would be the default: 0, since on the H200
 # it measured no faster than the dot kernel at M = 1 and 2x slower at M = 4 (BENCHMARKS.md)
@@ -52,9 +52,10 @@ def _wgmma(w, implementation: str, interpret: bool) -> bool:
       mosaic.available())
 
 
-def _check_bf16_backend(backend: str, interpret: bool, poison: bool) -> None:
-  if backend not in BF16_BACKENDS:
-    raise ValueError(f"backend must be one of {BF16_BACKENDS}, got {backend!r}")
+def _check_backend(backend: str, interpret: bool, poison: bool) -> None:
+  """The Triton kernels' `backend` (BACKENDS); jax_triton takes no interpret or poison."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "jax_triton" and (interpret or poison):
     raise ValueError("the jax_triton backend runs in Triton's interpreter where there is no GPU "
                      "and starts its outputs as NaN there: no interpret or poison argument")
@@ -65,7 +66,7 @@ def _jax_triton_bf16(x2, w, tile_expert=None, *, block_m, block_n, block_k, spli
   """`kernel.bf16_matmul_partials` (or, given tile_expert, `grouped_bf16_partials`) by the
   program in Triton's own language (`triton_kernel.bf16_matmul`)."""
   from pallas_kernels import triton_call
-  del interpret, poison  # refused by _check_bf16_backend
+  del interpret, poison  # refused by _check_backend
   m, k = x2.shape
   n = w.shape[-1]
   grouped = tile_expert is not None
@@ -81,12 +82,38 @@ def _jax_triton_bf16(x2, w, tile_expert=None, *, block_m, block_n, block_k, spli
   return out
 
 
+def _jax_triton_fp4(xe, xo, codes, scales, global_scale, tile_expert=None, *, fmt, block_m,
+                    block_n, splits, rows, num_warps, num_stages, decode):
+  """`kernel.fp4_matmul_partials` (or, given tile_expert, `grouped_fp4_partials`) by the program
+  in Triton's own language (`triton_kernel.fp4_matmul`; `decode` as there, by default "asm" on
+  a GPU and "bits" in the interpreter)."""
+  from pallas_kernels import triton_call
+  decode = decode or ("bits" if triton_call.interpreted() else "asm")
+  kernel.check_decode(decode, triton_call.interpreted())
+  m, k2 = xe.shape
+  n = codes.shape[-1]
+  grouped = tile_expert is not None
+  g = kernel._globals(global_scale)
+  if grouped and g.shape[0] == 1:
+    g = jnp.broadcast_to(g, codes.shape[:1])
+  tiles = tile_expert if grouped else jnp.zeros((1,), jnp.int32)
+  kernels = triton_call.load("pallas_kernels.fp4_matmul.triton_kernel")
+  (out,) = triton_call.call(
+      kernels.fp4_matmul, xe, xo, codes, scales, g, tiles.astype(jnp.int32),
+      out_shape=[jax.ShapeDtypeStruct((splits, m, n), jnp.float32)],
+      grid=(n // block_n, m // block_m, splits), num_warps=num_warps, num_stages=num_stages,
+      name="triton_fp4_grouped" if grouped else "triton_fp4", M=m, K2=k2, N=n,
+      BLOCK_M=block_m, BLOCK_N=block_n, ROWS=rows, ROWS_PER_SPLIT=k2 // splits,
+      NVFP4=fmt == "nvfp4", ASM=decode == "asm", GROUPED=grouped)
+  return out
+
+
 @reference_vjp(reference.fp4_matmul)
 def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "xla",
                block_m: int = 16, block_n: int = 64, splits: int | None = None, rows: int = 32,
                num_warps: int = 4, num_stages: int = 4, decode: str | None = None,
                variant: str | None = None, interpret: bool = False,
-               poison: bool = False, fold: bool = False) -> jax.Array:
+               poison: bool = False, fold: bool = False, backend: str = "triton") -> jax.Array:
   """x [..., K] @ W [K, N] (MXFP4 or per-tensor NVFP4, packed along K) -> [..., N] bf16.
 
   `w` is either [K, N] quantized along axis 0, or its K-major transpose [N, K] quantized along
@@ -101,8 +128,10 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "
   (matrix instructions over block_m-row tiles) or "gemv" (float32 multiply-adds, M <= 8; the
   default for M <= GEMV_MAX_ROWS). `fold`: the Mosaic kernel decodes an MXFP4 weight with its
   scales folded (`mosaic._body`: one multiply a pair of values; the same outputs); the other
-  paths compute as they do."""
+  paths compute as they do. `backend`: the Triton kernel's (`BACKENDS`; "jax_triton" runs the
+  dot kernel on the [K, N] weight in Triton's own language, `triton_kernel.fp4_matmul`)."""
   _check_impl(implementation)
+  _check_backend(backend, interpret, poison)
   if _wgmma(w, implementation, interpret):
     return mosaic.fp4_matmul(x, w, splits=splits, fold=fold and w.kernel_fmt == "mxfp4")
   w = untile(w) if isinstance(w, TiledFP4) else w
@@ -112,6 +141,9 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "
     raise ValueError(f"x has {x.shape[-1]} features, the weight {w.shape} expects {k}")
   if implementation == "xla":
     return reference.fp4_matmul(x, w)
+  if backend == "jax_triton" and (w.axis == -1 or variant == "gemv"):
+    raise ValueError("the jax_triton backend runs the dot kernel on the [K, N] weight: no "
+                     "K-major weight (reference.transpose converts), no 'gemv' variant")
   if w.axis == -1:
     if variant not in (None, "dot"):
       raise ValueError(f"variant {variant!r} takes the [K, N] weight; a K-major weight runs the "
@@ -128,9 +160,9 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "
     raise ValueError(f"variant must be one of {VARIANTS} ('gemv' for at most 8 rows), got "
                      f"{variant!r} for {x2.shape[0]} rows")
   fmt = "mxfp4" if w.fmt.name == "mxfp4" else "nvfp4"
-  decode = decode or ("bits" if interpret else "asm")
   steps = (k // 2) // rows
   if variant == "gemv":
+    decode = decode or ("bits" if interpret else "asm")
     x2, m = _pad_rows(x2, 1 << (x2.shape[0] - 1).bit_length())  # a power of two of rows
     splits = splits or default_splits(1, n // block_n, steps)
     partials = kernel.fp4_gemv_partials(
@@ -140,10 +172,16 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "
     return _finish(partials, m, lead, n)
   x2, m = _pad_rows(x2, block_m)
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, steps)
-  partials = kernel.fp4_matmul_partials(
-      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, w.global_scale, fmt=fmt, block_m=block_m,
-      block_n=block_n, splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
-      decode=decode, interpret=interpret, poison=poison)
+  tiles = dict(fmt=fmt, block_m=block_m, block_n=block_n, splits=splits, rows=rows,
+               num_warps=num_warps, num_stages=num_stages)
+  if backend == "jax_triton":
+    partials = _jax_triton_fp4(x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, w.global_scale,
+                               decode=decode, **tiles)
+  else:
+    partials = kernel.fp4_matmul_partials(
+        x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, w.global_scale,
+        decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison,
+        **tiles)
   return _finish(partials, m, lead, n)
 
 
@@ -194,7 +232,8 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
                        implementation: str = "xla", block_m: int = 16, block_n: int = 64,
                        splits: int | None = None, rows: int = 32, num_warps: int = 4,
                        num_stages: int = 4, decode: str | None = None, interpret: bool = False,
-                       poison: bool = False, fold: bool = False) -> jax.Array:
+                       poison: bool = False, fold: bool = False,
+                       backend: str = "triton") -> jax.Array:
   """The MoE expert matmul: x [T, K], rows sorted by expert (group_sizes[e] rows for expert e,
   as `jax.lax.ragged_dot` takes them) @ W[e] [K, N] for per-expert FP4 weights w [E, K, N]
   -> [T, N] bf16; rows past sum(group_sizes) come out zero. With rows_in [R] and rows_out [S]
@@ -209,8 +248,9 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
   runs the dot kernel with each tile's expert read from a small table; the padding tiles past
   the ones in use skip their K loop. Weights in the Mosaic GPU kernel's layout (`layout.tile`)
   run `mosaic.grouped_fp4_matmul` when compiled on a Hopper GPU, as in `fp4_matmul` (`fold`
-  too)."""
+  and `backend` too)."""
   _check_impl(implementation)
+  _check_backend(backend, interpret, poison)
   if _wgmma(w, implementation, interpret):
     return mosaic.grouped_fp4_matmul(x, w, group_sizes, splits=splits, rows_in=rows_in,
                                      rows_out=rows_out, slots=slots,
@@ -227,11 +267,17 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
   x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m, rows_in, rows_out, slots)
   m = x2.shape[0]
   splits = splits or default_splits(m // block_m, n // block_n, (k // 2) // rows)
-  partials = kernel.grouped_fp4_partials(
-      x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, tile_expert, w.global_scale,
-      fmt="mxfp4" if w.fmt.name == "mxfp4" else "nvfp4", block_m=block_m, block_n=block_n,
-      splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
-      decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
+  tiles = dict(fmt="mxfp4" if w.fmt.name == "mxfp4" else "nvfp4", block_m=block_m,
+               block_n=block_n, splits=splits, rows=rows, num_warps=num_warps,
+               num_stages=num_stages)
+  if backend == "jax_triton":
+    partials = _jax_triton_fp4(x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, w.global_scale,
+                               tile_expert, decode=decode, **tiles)
+  else:
+    partials = kernel.grouped_fp4_partials(
+        x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, tile_expert, w.global_scale,
+        decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison,
+        **tiles)
   y = jnp.sum(partials, axis=0)  # NaN here means an unwritten (poisoned) element
   return y.astype(jnp.bfloat16).at[dest].get(mode="fill", fill_value=0)
 
@@ -254,7 +300,7 @@ def bf16_matmul(x: jax.Array, w: jax.Array, /, *, implementation: str = "xla", b
   k, n = w.shape
   if implementation == "xla":
     return reference.bf16_matmul(x, w)
-  _check_bf16_backend(backend, interpret, poison)
+  _check_backend(backend, interpret, poison)
   if n % block_n or k % block_k:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
                      f"({k}) divisible by block_k ({block_k})")
@@ -292,7 +338,7 @@ def grouped_bf16_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   if n % block_n or k % block_k:
     raise ValueError(f"the pallas kernel needs N ({n}) divisible by block_n ({block_n}) and K "
                      f"({k}) divisible by block_k ({block_k})")
-  _check_bf16_backend(backend, interpret, poison)
+  _check_backend(backend, interpret, poison)
   x2, tile_expert, dest = _group_tiles(x, group_sizes, block_m, rows_in, rows_out, slots)
   splits = splits or default_splits(x2.shape[0] // block_m, n // block_n, k // block_k)
   partials = (_jax_triton_bf16 if backend == "jax_triton" else kernel.grouped_bf16_partials)(

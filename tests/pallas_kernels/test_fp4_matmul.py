@@ -391,6 +391,37 @@ def test_bf16_kernels_in_triton_language_compute_what_the_pallas_ones_do(block_k
       np.asarray(grouped_bf16_matmul(x, w, *args, interpret=True, **kw), np.float32))
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_fp4_kernels_in_triton_language_compute_what_the_pallas_ones_do(fmt):
+  """backend="jax_triton" on FP4 weights: the dot kernel's program in Triton's own language
+  (`triton_kernel.fp4_matmul`, the FP4 matmuls off Hopper), in Triton's interpreter here: the
+  Pallas kernel's interpret-mode numbers bit for bit, dense (x with leading dims, a split K)
+  and grouped (NVFP4 with a global per expert; the rows past the groups zero; the dispatch's
+  rows composed), the decode from the bits."""
+  kw = dict(implementation="pallas", splits=2, rows=16)
+  x, w = inputs(3, 7, 256, 128, fmt)
+  got = fp4_matmul(x.reshape(7, 1, 256), w, backend="jax_triton", **kw)
+  want = fp4_matmul(x, w, interpret=True, poison=True, **kw)
+  np.testing.assert_array_equal(np.asarray(got, np.float32).reshape(7, 128),
+                                np.asarray(want, np.float32))
+  assert_close(got.reshape(7, 128), fp4_matmul(x, w))
+  x, w, sizes = grouped_inputs(4, 27, 256, 128, [5, 0, 17, 3], fmt)  # 2 rows past the groups
+  got = np.asarray(grouped_fp4_matmul(x, w, sizes, backend="jax_triton", **kw), np.float32)
+  np.testing.assert_array_equal(got, np.asarray(grouped_fp4_matmul(
+      x, w, sizes, interpret=True, poison=True, **kw), np.float32))
+  assert not got[25:].any()
+  rows = routed_rows(1, 6, 2, 4, False)
+  x = jax.random.normal(jax.random.PRNGKey(5), (12, 256), jnp.bfloat16)
+  args = (rows.group_sizes, rows.src, rows.back, rows.slots)
+  np.testing.assert_array_equal(
+      np.asarray(grouped_fp4_matmul(x, w, *args, backend="jax_triton", **kw), np.float32),
+      np.asarray(grouped_fp4_matmul(x, w, *args, interpret=True, **kw), np.float32))
+  x, w = inputs(0, 4, 256, 128, fmt)
+  for w, variant in ((reference.transpose(w), None), (w, "gemv")):
+    with pytest.raises(ValueError, match=r"dot kernel on the \[K, N\] weight"):
+      fp4_matmul(x, w, implementation="pallas", backend="jax_triton", variant=variant)
+
+
 def test_the_bf16_kernels_backend_names_what_is_wrong():
   x = jnp.ones((4, 64), jnp.bfloat16)
   w = jnp.ones((64, 128), jnp.bfloat16)
@@ -456,6 +487,25 @@ def test_grouped_kernel_on_gpu(fmt, sizes):
       got = grouped_fp4_matmul(x, w, group_sizes, implementation="pallas", rows=rows,
                                poison=True)  # the default decode on a GPU: "asm"
       assert_close(got, grouped_fp4_matmul(x, w, group_sizes))
+      # the same program in Triton's own language (jax-triton), both decodes
+      for decode in ("asm", "bits"):
+        jt = grouped_fp4_matmul(x, w, group_sizes, implementation="pallas", rows=rows,
+                                decode=decode, backend="jax_triton")
+        assert not np.asarray(jt, np.float32)[sum(sizes):].any()
+        assert_close(jt, grouped_fp4_matmul(x, w, group_sizes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+@pytest.mark.parametrize("decode", ["asm", "bits"])
+def test_fp4_kernel_in_triton_language_on_gpu(fmt, m, decode):
+  for seed in range(2):  # fresh inputs each time
+    x, w = inputs(seed * 7919 + m, m, 2048, 768, fmt)
+    for rows in (16, 32):
+      got = fp4_matmul(x, w, implementation="pallas", rows=rows, decode=decode,
+                       backend="jax_triton")
+      assert_close(got, fp4_matmul(x, w))
 
 
 @pytest.mark.gpu

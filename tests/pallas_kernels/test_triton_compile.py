@@ -1,6 +1,7 @@
 """Every kernel written in Triton's own language compiles for a Hopper GPU, on any host (Triton's
 compiler down to a cubin, `triton_compile.py` in a process of its own), for the calls the
-wrappers make: the dense and grouped bf16 matmuls, the attention over bf16, MXFP4 and NVFP4
+wrappers make: the dense and grouped bf16 and FP4 matmuls (MXFP4 and NVFP4, the FP4 decode
+from the bits and by PTX), the attention over bf16, MXFP4 and NVFP4
 caches (its FP4 decode from the bits and by PTX), and the quantize-and-record kernel with and
 without its norm and values. The interpreter the other CPU tests run these kernels in does not
 apply the compiler's rules (a module global a kernel reads must be a `tl.constexpr`, for one:
@@ -18,10 +19,11 @@ import pytest
 
 from pallas_kernels import triton_call
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.fp4_matmul import bf16_matmul, grouped_bf16_matmul
+from pallas_kernels.fp4_matmul import (bf16_matmul, fp4_matmul, grouped_bf16_matmul,
+                                       grouped_fp4_matmul)
 from pallas_kernels.quantize_record import quantize_and_record
 from tests.pallas_kernels.test_decode_attention import inputs
-from trace_jax.quant import MXFP4, NVFP4
+from trace_jax.quant import MXFP4, NVFP4, NVFP4_TENSOR, quantize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "int32": "i32",
@@ -77,6 +79,13 @@ def test_every_kernel_in_triton_language_compiles_for_hopper(calls):
               backend="jax_triton", splits=2)
   grouped_bf16_matmul(x, jnp.ones((4, 256, 128), jnp.bfloat16), jnp.asarray([5, 0, 8, 3]),
                       implementation="pallas", backend="jax_triton")
+  for fmt in (MXFP4, NVFP4_TENSOR):
+    w = quantize(jnp.ones((256, 128)), fmt, axis=0)
+    we = jax.vmap(lambda m: quantize(m, fmt, axis=0))(jnp.ones((4, 256, 128)))
+    for decode in ("asm", "bits"):
+      fp4_matmul(x, w, implementation="pallas", backend="jax_triton", decode=decode, splits=2)
+      grouped_fp4_matmul(x, we, jnp.asarray([5, 0, 8, 3]), implementation="pallas",
+                         backend="jax_triton", decode=decode)
   for fmt in (None, MXFP4, NVFP4):  # None: a bf16 cache
     q, k, v, mask = inputs(0, 2, 128, 2, 4, 64, fmt)
     decodes = ("asm", "bits") if fmt else (None,)
@@ -90,8 +99,10 @@ def test_every_kernel_in_triton_language_compiles_for_hopper(calls):
       quantize_and_record(x, fmt, implementation="pallas", backend="jax_triton",
                           rms_norm=(jnp.ones((d,), dtype), 1e-6), normed=True)
   names = [c["kernel"] for c in calls]
-  assert set(names) == {"bf16_matmul", "bf16_attention", "fp4_attention", "quantize_record"}
+  assert set(names) == {"bf16_matmul", "fp4_matmul", "bf16_attention", "fp4_attention",
+                        "quantize_record"}
   assert sum(n == "fp4_attention" for n in names) == 4
+  assert sum(n == "fp4_matmul" for n in names) == 8
   out = _compile(calls)
   assert out.count("ok ") == len(calls), out
 

@@ -354,7 +354,7 @@ def test_pallas_attention_over_a_cache_it_has_not_filled():
                                        pytest.param("nvfp4", marks=pytest.mark.slow)])
 def test_kernels_in_triton_language_in_the_engine(precision, monkeypatch):
   """triton_backend="jax_triton": a rollout's kernels written in Triton's own language too (a
-  bf16 rollout's projections, experts and decode attention; an FP4 one's attention and its
+  bf16 rollout's projections, experts and decode attention; an FP4 one's too, and its
   quantize-and-record of activations and K/V) on those
   programs (Triton's interpreter here), over a cache it has not filled (48 slots, three 16-slot
   blocks), against the Pallas kernels' rollout (interpret mode): the same programs, so the same
@@ -376,11 +376,12 @@ def test_kernels_in_triton_language_in_the_engine(precision, monkeypatch):
                                                      jax.random.PRNGKey(7))
          for a in ("pallas", "jax_triton")}
   got, want = out["jax_triton"], out["pallas"]
-  # the projections, the experts and the attention all ran in Triton's language (FP4: the
-  # attention and the quantization; its matmuls are the FP4 kernels)
+  # the projections, the experts and the attention all ran in Triton's language (FP4: and the
+  # quantization; the FP4 weights the Triton FP4 kernels take off Hopper)
   assert called == ({("bf16_matmul", False), ("bf16_matmul", True), ("bf16_attention", None)}
                     if precision == "bf16" else
-                    {("fp4_attention", None), ("quantize_record", None)})
+                    {("fp4_matmul", False), ("fp4_matmul", True), ("fp4_attention", None),
+                     ("quantize_record", None)})
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=5e-3)
   for a, b in zip(jax.tree.leaves(got.records), jax.tree.leaves(want.records)):
