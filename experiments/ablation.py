@@ -53,6 +53,7 @@ they hold with different numbers stops the merge, naming it (remove one of them 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import hashlib
 import importlib
@@ -96,6 +97,7 @@ PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "numpy", "ml_dtypes", "optax",
 # own (the CPU results were made so: there the modes' warm starts agree to float32 rounding)
 WARM_START = {"cpu": "own", "gpu": "shared"}
 WARM = "warm_start"  # the run directory of a family's shared warm starts: <out>/<family>/WARM
+FAILED_LOG_LINES = 30  # of a run that fails, the ablation prints its log's last lines
 
 
 def config_arg(family: str, mode: str, seed: int, smoke: bool = False, scale: str = "cpu",
@@ -330,6 +332,13 @@ def train_command(family: str, mode: str, seed: int, workdir: str, smoke: bool =
           + ([f"--config.data_dir={data_dir}"] if data_dir else []))
 
 
+def _tail(path: str, lines: int = FAILED_LOG_LINES) -> list[str]:
+  """The last lines of a run's log (what the ablation prints of a run that failed: the log may
+  stay on a machine that is gone by the time anyone reads it)."""
+  with open(path, errors="replace") as fh:
+    return collections.deque(fh, maxlen=lines)
+
+
 # runs a command (argv[2:]) tied to the process argv[1] (Linux): it gets a SIGTERM when that
 # process dies (PR_SET_PDEATHSIG, kept across the exec), so that no run trains on, unwatched,
 # after the ablation was killed; elsewhere the ablation's own signals still reach its runs
@@ -374,7 +383,8 @@ def train_in_processes(runs: list[tuple[str, list[str], str]], jobs: int,
       elif proc.returncode:
         failed.append(name)
         print(f"== {name}: failed (exit status {proc.returncode}) after {took:.1f} min; see "
-              f"{log.name}", flush=True)
+              f"{log.name}, which ends:", flush=True)
+        print("".join(f"   {name} | {line}" for line in _tail(log.name)), end="", flush=True)
       else:
         print(f"== {name}: trained in {took:.1f} min", flush=True)
       if proc.returncode == 0 and on_finished is not None:

@@ -42,6 +42,21 @@ def test_train_in_processes_runs_at_most_jobs_at_once_and_names_the_failures(tmp
   assert "step 1 of 1" in open(tmp_path / "run4" / "train.log").read()
 
 
+def test_a_failed_runs_last_lines_are_in_the_ablations_output(tmp_path, capsys):
+  """A run that fails shows why in the ablation's own output (its log's last lines, each
+  marked with the run's name): its train.log may be on a machine that is gone by the time
+  anyone reads it."""
+  fail = ("import sys\nfor i in range(100): print('line', i)\n"
+          "raise MemoryError('RESOURCE_EXHAUSTED: out of memory in jit_flip_counts')\n")
+  runs = [("bad", [sys.executable, "-c", fail], str(tmp_path / "bad")),
+          ("good", [sys.executable, "-c", RUN, str(tmp_path / "good"), "0"], str(tmp_path / "good"))]
+  assert ablation.train_in_processes(runs, 2, poll_s=0.02) == ["bad"]
+  out = capsys.readouterr().out
+  assert "bad | MemoryError: RESOURCE_EXHAUSTED: out of memory in jit_flip_counts" in out
+  assert "bad | line 99" in out and "line 50" not in out  # the tail only
+  assert "good |" not in out and "step 1 of 1" not in out  # a run that ended well: nothing
+
+
 def test_each_run_that_finishes_is_reported_at_once_while_the_others_train(tmp_path):
   """`on_finished(name)` as each run ends well (the ablation records it then: a machine lost
   later keeps it), not for one that fails, and before a longer run beside it has ended."""
