@@ -8,10 +8,10 @@ version's "strided"), which writes the values from its own codes. `backend` is h
 kernel is called: "triton", Pallas' Triton lowering (`kernel.py`), or "jax_triton", the same
 program in Triton's own language (`triton_kernel.py`, through `pallas_kernels.triton_call`:
 jax-triton on a GPU, Triton's interpreter elsewhere), Pallas' Triton lowering being deprecated
-from jax 0.11. With `rms_norm=(w, eps)`
-what is quantized is x's RMSNorm (`reference.rms_norm`; the model's norm before the attention
-and before the experts), which the "blocks" kernel computes on the tile it loads: one kernel
-where the norm was a pass of its own; `normed=True` also returns the normed x.
+from jax 0.11. With `rms_norm=(w, eps)` what is quantized is x's RMSNorm (`reference.rms_norm`;
+the model's norm before the attention and before the experts), which the "blocks" kernel
+computes on the tile it loads: one kernel where the norm was a pass of its own; `normed=True`
+also returns the normed x.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pallas_kernels.quantize_record import kernel, reference
 from trace_jax.quant import QArray, Record, dequantize, get_format
 
 IMPLEMENTATIONS = ("xla", "pallas")
-BACKENDS = ("triton", "jax_triton")  # the "blocks" kernel's: Pallas' Triton lowering, Triton's own
+# the "blocks" kernel's: Pallas' Triton lowering, or Triton's own language through jax-triton
+BACKENDS = ("triton", "jax_triton")
 
 
 def quantize_and_record(x: jax.Array, fmt: str, *, implementation: str = "xla",
