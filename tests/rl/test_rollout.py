@@ -376,8 +376,8 @@ def test_kernels_in_triton_language_in_the_engine(precision, monkeypatch):
                                                      jax.random.PRNGKey(7))
          for a in ("pallas", "jax_triton")}
   got, want = out["jax_triton"], out["pallas"]
-  # the projections, the experts and the attention all ran in Triton's language (FP4: and the
-  # quantization; the FP4 weights the Triton FP4 kernels take off Hopper)
+  # the projections, the experts and the attention all ran in Triton's language (FP4: the FP4
+  # matmuls, which take the weights where there is no Hopper, as here, and the quantization)
   assert called == ({("bf16_matmul", False), ("bf16_matmul", True), ("bf16_attention", None)}
                     if precision == "bf16" else
                     {("fp4_matmul", False), ("fp4_matmul", True), ("fp4_attention", None),
