@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from pallas_kernels.autodiff import reference_vjp
 from pallas_kernels.decode_attention import kernel, reference
 from pallas_kernels.decode_attention.cache import cache_arrays, cache_format, default_splits
+from pallas_kernels.fp4_matmul.kernel import default_decode
 from trace_jax.quant import QArray
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -101,7 +102,7 @@ def decode_attention(q_BxHxDh: jax.Array, k, v, mask_BxS: jax.Array, /, *,
     o, m, l = kernel.decode_attention_partials(
         q, mask_BxS.astype(jnp.int8), kernel.valid_end(mask_BxS), k_arrays, v_arrays, fmt=fmt,
         block_s=block_s, splits=splits, num_warps=num_warps, num_stages=num_stages,
-        decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
+        decode=default_decode(decode, interpret), interpret=interpret, poison=poison)
   out = kernel.combine(o, m, l)[:, :, :g]  # NaN here means an unwritten (poisoned) element
   if fmt != "bf16":
     out = jnp.stack([out[..., :dh // 2], out[..., dh // 2:]], axis=-1)
@@ -122,8 +123,7 @@ def _jax_triton_partials(q, mask_BxS, k_arrays, v_arrays, *, fmt, decode, block_
   if fmt == "bf16":
     fn, caches = kernels.bf16_attention, (*k_arrays, *v_arrays)
   else:
-    decode = decode or ("bits" if triton_call.interpreted() else "asm")
-    kernel.check_decode(decode, triton_call.interpreted())
+    decode = default_decode(decode, triton_call.interpreted())
     # codes, scales and NVFP4's globals of each cache (MXFP4's scales again: a global unread)
     per = lambda arrays: (*arrays[:2], arrays[2] if fmt == "nvfp4" else arrays[1])
     fn, caches = kernels.fp4_attention, (*per(k_arrays), *per(v_arrays))

@@ -88,8 +88,7 @@ def _jax_triton_fp4(xe, xo, codes, scales, global_scale, tile_expert=None, *, fm
   in Triton's own language (`triton_kernel.fp4_matmul`; `decode` as there, by default "asm" on
   a GPU and "bits" in the interpreter)."""
   from pallas_kernels import triton_call
-  decode = decode or ("bits" if triton_call.interpreted() else "asm")
-  kernel.check_decode(decode, triton_call.interpreted())
+  decode = kernel.default_decode(decode, triton_call.interpreted())
   m, k2 = xe.shape
   n = codes.shape[-1]
   grouped = tile_expert is not None
@@ -162,7 +161,7 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "
   fmt = "mxfp4" if w.fmt.name == "mxfp4" else "nvfp4"
   steps = (k // 2) // rows
   if variant == "gemv":
-    decode = decode or ("bits" if interpret else "asm")
+    decode = kernel.default_decode(decode, interpret)
     x2, m = _pad_rows(x2, 1 << (x2.shape[0] - 1).bit_length())  # a power of two of rows
     splits = splits or default_splits(1, n // block_n, steps)
     partials = kernel.fp4_gemv_partials(
@@ -180,7 +179,7 @@ def fp4_matmul(x: jax.Array, w: QArray | TiledFP4, /, *, implementation: str = "
   else:
     partials = kernel.fp4_matmul_partials(
         x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, w.global_scale,
-        decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison,
+        decode=kernel.default_decode(decode, interpret), interpret=interpret, poison=poison,
         **tiles)
   return _finish(partials, m, lead, n)
 
@@ -198,7 +197,7 @@ def _kmajor(x, w, k, n, *, block_m, block_n, splits, rows, num_warps, num_stages
       x2[:, 0::2].T, x2[:, 1::2].T, w.codes, w.scales, w.global_scale,
       fmt="mxfp4" if w.fmt.name == "mxfp4" else "nvfp4", block_m=block_m, block_n=block_n,
       splits=splits, rows=rows, num_warps=num_warps, num_stages=num_stages,
-      decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison)
+      decode=kernel.default_decode(decode, interpret), interpret=interpret, poison=poison)
   return _finish(jnp.swapaxes(partials, 1, 2), m, lead, n)
 
 
@@ -276,7 +275,7 @@ def grouped_fp4_matmul(x: jax.Array, w: QArray | TiledFP4, group_sizes: jax.Arra
   else:
     partials = kernel.grouped_fp4_partials(
         x2[:, 0::2], x2[:, 1::2], w.codes, w.scales, tile_expert, w.global_scale,
-        decode=decode or ("bits" if interpret else "asm"), interpret=interpret, poison=poison,
+        decode=kernel.default_decode(decode, interpret), interpret=interpret, poison=poison,
         **tiles)
   y = jnp.sum(partials, axis=0)  # NaN here means an unwritten (poisoned) element
   return y.astype(jnp.bfloat16).at[dest].get(mode="fill", fill_value=0)

@@ -335,6 +335,14 @@ def check_decode(decode: str, interpret: bool) -> None:
                      f"{decode!r} with interpret={interpret}")
 
 
+def default_decode(decode: str | None, interpret: bool) -> str:
+  """`decode`, or by default "asm" (the PTX) for a compiled kernel and "bits" for one that is
+  interpreted; checked (`check_decode`)."""
+  decode = decode or ("bits" if interpret else "asm")
+  check_decode(decode, interpret)
+  return decode
+
+
 def _globals(global_scale):
   """NVFP4's global as the kernels read it: float32 [1] or [E]; ones when there is none (MXFP4,
   whose kernels do not read it)."""

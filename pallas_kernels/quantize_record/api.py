@@ -101,10 +101,7 @@ def _jax_triton_blocks(x_TxNxB, norm_w_NxB=None, *, fmt: str, block_t: int, num_
   from pallas_kernels import triton_call
   kernels = triton_call.load("pallas_kernels.quantize_record.triton_kernel")
   t, nb, b = x_TxNxB.shape
-  norm = norm_eps is not None
-  if norm != (norm_w_NxB is not None) or normed and not norm:
-    raise ValueError("an RMSNorm before the quantization takes both norm_w and norm_eps "
-                     "(and `normed` returns its output)")
+  norm = norm_eps is not None  # with norm_w_NxB (`quantize_and_record` checked both)
   if x_TxNxB.dtype not in (jnp.float32, jnp.bfloat16):
     raise ValueError(f"the jax_triton kernel takes float32 or bfloat16 x, got {x_TxNxB.dtype}")
   nvfp4 = fmt == "nvfp4"
